@@ -1,0 +1,11 @@
+"""The one exception type users see.
+
+Every failure a user can cause (a wrong path, an impossible ratio, an unsupported
+architecture, a corrupt cache, a diverging loss) raises :class:`OverRepError` with a
+one-line message that names the problem and, where possible, the fix. The CLI prints
+it as ``overrep: error: <message>`` and exits with status 2.
+"""
+
+
+class OverRepError(RuntimeError):
+    """A user-facing error with a one-line, specific message."""
