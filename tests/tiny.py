@@ -1,0 +1,47 @@
+"""Tiny randomly initialised models of every supported architecture, built in code."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig)
+
+COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              tie_word_embeddings=True)
+
+
+def tiny_config(arch: str):
+    if arch == "llama":
+        return LlamaConfig(**COMMON)
+    if arch == "mistral":
+        return MistralConfig(**{**COMMON, "sliding_window": 8})
+    if arch == "qwen2":
+        return Qwen2Config(**{**COMMON, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3})
+    if arch == "qwen3":
+        return Qwen3Config(**{**COMMON, "head_dim": 8})
+    if arch == "gemma3":
+        return Gemma3TextConfig(**{**COMMON, "head_dim": 8, "sliding_window": 8,
+                                   "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2})
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**{**COMMON, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 16, "decoder_sparse_step": 2, "mlp_only_layers": [0]})
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe"]
+
+
+def tiny_model(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch)
+    cfg._attn_implementation = "eager"
+    if arch == "qwen3_moe":  # the reference loop, so that results are bit-comparable
+        cfg._experts_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_ids(batch: int = 2, seq: int = 16, vocab: int = 97, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
