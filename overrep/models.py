@@ -221,6 +221,7 @@ def save_conversion(model, tokenizer, gguf: pathlib.Path, target: pathlib.Path) 
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -268,7 +269,13 @@ def _load_hub(spec: str, dtype: torch.dtype, attn_implementation: str):
     online = hub_reachable()
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            spec, dtype=dtype, attn_implementation=attn_implementation, local_files_only=not online
+            spec,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=not online,
+            # transformers 5.23 does not forward local_files_only to its PEFT-adapter
+            # probe, which then retries the network for ~25 s before giving up.
+            adapter_kwargs={"local_files_only": not online},
         )
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=not online)
     except (OSError, ValueError) as error:
