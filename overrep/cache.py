@@ -5,8 +5,8 @@ hidden state entering the recovery module (``inputs``, [T, H]) and the hidden st
 after the removed segment (``targets``, [T, H]). Training then reads random
 mini-batches from this cache for many epochs, so the cache must be
 
-* **random access** -- :meth:`FeatureCache.get` reads only the requested rows through
-  memory-mapped ``safetensors`` slices, never a whole shard;
+* **random access** -- :meth:`FeatureCache.get` reads only the requested rows (one
+  ``preadv`` per contiguous run, straight into the output), never a whole shard;
 * **crash safe** -- every file is written under a temporary name, fsync'd and renamed,
   and ``manifest.json`` is written last, so a half-written cache never looks complete;
 * **resumable** -- a killed build keeps its finished shards and only the missing ones
@@ -247,24 +247,28 @@ def _mismatch_reason(path: Path, stored: dict, expected: dict) -> str | None:
             f"feature cache at {path} was written in a different format "
             f"({stored.get('format')!r} v{stored.get('version')}, expected {FORMAT_NAME!r} v{FORMAT_VERSION})"
         )
-    fp_diff = _fields_differing(stored.get("fingerprint") or {}, expected["fingerprint"])
+    stored_fp = stored.get("fingerprint")
+    fp_diff = _fields_differing(stored_fp if isinstance(stored_fp, dict) else {}, expected["fingerprint"])
     if fp_diff:
         fields = ", ".join(repr(k) for k in fp_diff[:3]) + (" ..." if len(fp_diff) > 3 else "")
         noun = "field" if len(fp_diff) == 1 else "fields"
         verb = "differs" if len(fp_diff) == 1 else "differ"
         return f"feature cache at {path} was built for a different model/segment/data ({noun} {fields} {verb})"
-    layout_diff = _fields_differing(stored.get("layout") or {}, expected["layout"])
+    stored_layout = stored.get("layout") if isinstance(stored.get("layout"), dict) else {}
+    layout_diff = _fields_differing(stored_layout, expected["layout"])
     if layout_diff:
         k = layout_diff[0]
         return (
             f"feature cache at {path} was built with a different layout "
-            f"(field {k!r} is {(stored.get('layout') or {}).get(k)!r}, expected {expected['layout'][k]!r})"
+            f"(field {k!r} is {stored_layout.get(k)!r}, expected {expected['layout'].get(k)!r})"
         )
     return None
 
 
 def _record(fingerprint: dict, layout: dict) -> dict:
     """What identifies a cache: the caller's fingerprint plus the on-disk layout."""
+    if not isinstance(fingerprint, dict):
+        raise OverRepError(f"feature cache fingerprint must be a dict, got {type(fingerprint).__name__}")
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -341,11 +345,12 @@ class FeatureCacheWriter:
 
     Shard ``s`` holds samples ``shard_range(s)``; each named tensor in it is
     ``[n, seq_len, hidden_size]`` with ``n <= shard_size``. A shard counts as complete
-    when its file and its sidecar (size + sha256) exist, agree, and its header is
-    stamped with this cache's key; anything else found on resume is rewritten.
+    when its file and its sidecar (size, sha256, this cache's key) exist and agree;
+    anything else found on resume is deleted and must be written again.
 
     Creating a writer on a directory removes an existing ``manifest.json`` there (the
-    cache is being written, so it is not complete) until :meth:`finalize`.
+    cache is being written, so it is not complete) until :meth:`finalize`, and sweeps
+    temp files left by a killed writer: one writer per directory at a time.
     """
 
     def __init__(
@@ -543,7 +548,7 @@ class _ShardFile:
     opened; here it is parsed again only to find each tensor's byte offset.
     """
 
-    def __init__(self, file: Path, names: Sequence[str], shape: list[int], dtype_tag: str) -> None:
+    def __init__(self, file: Path, names: Sequence[str], shape: list[int], dtype: torch.dtype) -> None:
         self.file = file
         self.row_bytes = 0
         self.offsets: dict[str, int] = {}  # tensor name -> absolute byte offset of row 0
@@ -551,16 +556,17 @@ class _ShardFile:
             self._fh = open(file, "rb", buffering=0)
         except OSError as exc:
             raise FeatureCacheCorrupt(f"cannot open feature cache shard {file} ({exc.strerror or exc})") from exc
-        try:
-            self._parse_header(names, shape, dtype_tag)
-        except BaseException:
-            self._fh.close()
-            raise
         if hasattr(os, "posix_fadvise"):
             # Random access: do not let the kernel read ahead past the rows we ask for.
             os.posix_fadvise(self._fh.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        try:
+            self._parse_header(names, shape, dtype)
+        except BaseException:
+            self._fh.close()
+            raise
 
-    def _parse_header(self, names: Sequence[str], shape: list[int], dtype_tag: str) -> None:
+    def _parse_header(self, names: Sequence[str], shape: list[int], dtype: torch.dtype) -> None:
+        dtype_tag = _DTYPES[dtype][0]
         try:
             (header_len,) = struct.unpack("<Q", self._fh.read(8))
             header = json.loads(self._fh.read(header_len))
@@ -572,7 +578,7 @@ class _ShardFile:
                 self.offsets[name] = data_start + info["data_offsets"][0]
         except (struct.error, ValueError, KeyError, TypeError) as exc:
             raise FeatureCacheCorrupt(f"feature cache shard {self.file} has an unexpected header ({exc})") from exc
-        self.row_bytes = math.prod(shape[1:]) * _element_size(dtype_tag)
+        self.row_bytes = math.prod(shape[1:]) * (torch.finfo(dtype).bits // 8)
 
     def read_rows(self, name: str, start: int, buffers: list[memoryview]) -> None:
         """Fill ``buffers`` (one ``row_bytes`` buffer per row) with rows ``start, start+1, ...``."""
@@ -597,11 +603,6 @@ class _ShardFile:
 
     def close(self) -> None:
         self._fh.close()
-
-
-def _element_size(dtype_tag: str) -> int:
-    dtype = next(d for d, (tag, _) in _DTYPES.items() if tag == dtype_tag)
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class FeatureCache:
@@ -747,7 +748,7 @@ class FeatureCache:
             return shard_file
         entry = self.manifest["shards"][shard]
         shard_file = _ShardFile(self.path / entry["file"], self.tensor_names,
-                                [entry["count"], self.seq_len, self.hidden_size], _DTYPES[self.dtype][0])
+                                [entry["count"], self.seq_len, self.hidden_size], self.dtype)
         self._files[shard] = shard_file
         if len(self._files) > self.max_open_shards:
             self._files.popitem(last=False)[1].close()
@@ -812,6 +813,7 @@ def build_or_open(
                                 hidden_size=hidden_size, dtype=dtype, shard_size=shard_size, tensors=tensors)
     missing = writer.missing_shards()
     todo = sum(len(writer.shard_range(s)) for s in missing)
+    logger.info("building feature cache at %s: %d of %d samples to produce", path, todo, num_samples)
     with tqdm(total=num_samples, initial=num_samples - todo, unit="sample", desc="feature cache",
               disable=not progress, dynamic_ncols=True) as bar:
         for shard in missing:

@@ -87,7 +87,7 @@ def apply_preset(model: nn.Module, plan: PrunePlan, preset: Preset,
     modules = []
     for group in plan.groups:
         compact = [plan.compact_index(i) for i in group.module_layers]
-        act = AnnealedActivation(mlp_activation(layers[compact[0]]), schedule if preset.anneal else None)
+        act = AnnealedActivation(mlp_activation(layers[compact[0]]), schedule, enabled=preset.anneal)
         for i, c in enumerate(compact):
             _wrap_block(layers[c], c, preset.block(i), preset, act)
         norm = None

@@ -63,12 +63,15 @@ class AnnealedActivation(torch.nn.Module):
     itself (not a copy), so the linear phase costs nothing and is bit-exact.
     """
 
-    def __init__(self, sigma: Callable[[torch.Tensor], torch.Tensor], schedule: AlphaSchedule | None = None):
+    def __init__(self, sigma: Callable[[torch.Tensor], torch.Tensor], schedule: AlphaSchedule | None = None,
+                 enabled: bool = True):
         super().__init__()
         self.sigma = sigma
         self.schedule = schedule
+        self.enabled = enabled  # False: a linear preset (alpha stays 0 whatever the schedule)
         self.step = 0
-        self.alpha = 0.0 if schedule is None else schedule.alpha(0)
+        self.alpha = 0.0
+        self.set_step(0)
 
     def set_schedule(self, schedule: AlphaSchedule) -> None:
         self.schedule = schedule
@@ -76,7 +79,7 @@ class AnnealedActivation(torch.nn.Module):
 
     def set_step(self, step: int) -> None:
         self.step = int(step)
-        self.alpha = 0.0 if self.schedule is None else self.schedule.alpha(self.step)
+        self.alpha = 0.0 if self.schedule is None or not self.enabled else self.schedule.alpha(self.step)
 
     def set_alpha(self, alpha: float) -> None:
         """Pin alpha directly (tests, ablations without a schedule)."""
@@ -93,10 +96,11 @@ class AnnealedActivation(torch.nn.Module):
 
     # The state is plain Python numbers, so it lives in extra_state rather than buffers.
     def get_extra_state(self) -> dict:
-        return {"step": self.step, "alpha": self.alpha,
+        return {"step": self.step, "alpha": self.alpha, "enabled": self.enabled,
                 "schedule": None if self.schedule is None else asdict(self.schedule)}
 
     def set_extra_state(self, state: dict) -> None:
         self.schedule = None if state["schedule"] is None else AlphaSchedule(**state["schedule"])
+        self.enabled = bool(state.get("enabled", True))
         self.step = int(state["step"])
         self.alpha = float(state["alpha"])

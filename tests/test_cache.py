@@ -116,7 +116,7 @@ def test_handle_lru_is_bounded(tmp_path, monkeypatch):
     fc, _ = build(tmp_path, data, shard_size=2)
     monkeypatch.setattr(fc, "max_open_shards", 2)
     out = fc.get([0, 2, 4, 6, 8, 1])
-    assert len(fc._handles) == 2
+    assert len(fc._files) == 2
     assert torch.equal(out["inputs"], data["inputs"][[0, 2, 4, 6, 8, 1]])
 
 
@@ -325,3 +325,24 @@ def test_manifest_is_last_and_json(tmp_path):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["format"] == "overrep-feature-cache" and manifest["version"] == 1
     assert json.loads((tmp_path / "fingerprint.json").read_text())["fingerprint"] == FP
+
+
+@pytest.mark.skipif(not hasattr(os, "preadv"), reason="byte accounting hooks os.preadv")
+def test_get_reads_only_requested_rows(tmp_path, monkeypatch):
+    data = make_data(n=16)
+    fc, _ = build(tmp_path, data, shard_size=16)
+    fc.get([0])  # open the shard (header read) before counting
+    real_preadv, requested = os.preadv, []
+
+    def counting_preadv(fd, buffers, offset):
+        requested.append(sum(len(b) for b in buffers))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(cache_mod.os, "preadv", counting_preadv)
+    row_bytes = T * H * 4
+    out = fc.get([5])
+    assert sum(requested) == 2 * row_bytes  # one row of "inputs" and one of "targets"
+    requested.clear()
+    out = fc.get([9, 3, 4, 5, 9])  # runs [3, 6) and [9, 10); the duplicate 9 is not re-read
+    assert sorted(requested) == [row_bytes, row_bytes, 3 * row_bytes, 3 * row_bytes]  # per tensor
+    assert torch.equal(out["targets"], data["targets"][[9, 3, 4, 5, 9]])

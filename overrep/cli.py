@@ -1,0 +1,197 @@
+"""``overrep`` command line: one subcommand per stage, ``run`` for all of them.
+
+    overrep run [--config FILE] [--model M] [--ratio R | --remove 21-28] [--output DIR]
+                [--max-steps N] [--set section.field=value ...] [--resume | --overwrite]
+    overrep inspect  [same options]   plan + parameter/memory account, no training
+    overrep cache    [same options]   build (or verify) the feature cache only
+    overrep recover  [same options]   prune, cache, train, merge, export (no baseline evaluation)
+    overrep export   --output DIR     merge and export a finished training from its checkpoints
+    overrep eval     MODEL_DIR        held-out perplexity of a saved model
+    overrep presets                   list the built-in presets
+
+Errors print one line (``overrep: error: ...``) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .errors import OverRepError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML run configuration (any subset of fields)")
+    p.add_argument("--model", help="model: 'embedded', a local HF folder, a .gguf file or a hub id")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--ratio", type=float, help="fraction of parameters to remove (rounded to whole blocks)")
+    g.add_argument("--remove", help="explicit blocks to remove, e.g. 21-28 or 3,5,7-9")
+    p.add_argument("--preset", help="recovery preset name or .yaml file")
+    p.add_argument("--output", help="output folder")
+    p.add_argument("--max-steps", type=int, help="recovery optimiser steps")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set recovery.lr=1e-4 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
+    p.add_argument("--overwrite", action="store_true", help="replace whatever is in --output")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _config(args):
+    from .config import RunConfig
+
+    overrides = list(args.set)
+    for flag, key in (("model", "model.source"), ("preset", "recovery.preset"), ("output", "output"),
+                      ("max_steps", "recovery.steps")):
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    if getattr(args, "ratio", None) is not None:
+        overrides += [f"prune.ratio={args.ratio}", "prune.remove=null"]
+    if getattr(args, "remove", None) is not None:
+        overrides.append(f"prune.remove='{args.remove}'")
+    return RunConfig.load(args.config, overrides)
+
+
+def cmd_run(args, *, evaluate: bool = True) -> int:
+    from .pipeline import Pipeline
+
+    cfg = _config(args)
+    if not evaluate:
+        cfg.eval.perplexity = cfg.eval.latency = False
+    metrics = Pipeline(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet).run()
+    keys = ("dense_ppl", "pruned_ppl", "recovered_ppl", "merge_max_abs_diff", "removed_layers",
+            "trainable_params", "train_seconds", "model_dir")
+    print(json.dumps({k: metrics.get(k) for k in keys}, indent=2))
+    print(f"report: {cfg.output}/report.md")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .accounting import recovery_account
+    from .pipeline import Pipeline
+
+    cfg = _config(args)
+    p = Pipeline(cfg)
+    from .models import load_model
+    from .accounting import blocks_for_ratio
+    from .criteria import get_criterion
+    from .surgery import parse_layers
+
+    model, _, info = load_model(cfg.model.source)
+    if cfg.prune.remove is not None:
+        removed = parse_layers(str(cfg.prune.remove))
+    else:
+        removed = get_criterion(cfg.prune.criterion)(model, blocks_for_ratio(model, cfg.prune.ratio))
+    acc = recovery_account(model.config, removed, cfg.recovery.preset, blocks=cfg.recovery.blocks,
+                           block1_init=cfg.recovery.block1_init)
+    acc["model"] = info["source"]
+    acc["total_steps"] = cfg.total_steps()
+    del p
+    print(json.dumps(acc, indent=2))
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from .pipeline import Pipeline
+
+    cfg = _config(args)
+    cfg.cache.mode = "disk"
+    p = Pipeline(cfg, resume=True, overwrite=args.overwrite, progress=not args.quiet)
+    p.prepare_output()
+    p.load()
+    p.prune()
+    p.features()
+    print(json.dumps(p.metrics["cache"], indent=2))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .config import RunConfig
+    from .pipeline import Pipeline
+    from pathlib import Path
+
+    out = Path(args.output)
+    if not (out / "config.yaml").is_file():
+        raise OverRepError(f"'{out}' is not an overrep output folder (no config.yaml)")
+    cfg = RunConfig.load(out / "config.yaml")
+    p = Pipeline(cfg, resume=True, progress=not args.quiet)
+    p.prepare_output()
+    p.load()
+    p.prune()
+    p.build_recovery()
+    p.train(lambda idx: (_ for _ in ()).throw(OverRepError("training is not finished; run "
+                                                            "`overrep recover --resume` first")))
+    p.merge()
+    print(p.export())
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .config import DataConfig
+    from .data import token_splits
+    from .evaluate import perplexity
+    from .models import load_model
+
+    model, tok, info = load_model(args.model)
+    d = DataConfig()
+    _, held, _ = token_splits(args.data or d.source, tok, seq_len=args.seq_len, train_sequences=1,
+                              heldout_sequences=args.sequences, seed=d.seed)
+    ppl = perplexity(model, held, progress=not args.quiet)
+    print(json.dumps({"model": info["source"], "perplexity": ppl, "sequences": args.sequences,
+                      "seq_len": args.seq_len}, indent=2))
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from .presets import BUILTIN_PRESETS
+
+    for name, p in BUILTIN_PRESETS.items():
+        print(f"{name:14s} {p.description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="overrep", description="Prune decoder blocks and recover with OverRep.")
+    sub = parser.add_subparsers(dest="command", required=False)
+    for name, help_ in (("run", "the whole job: prune, cache, recover, merge, export, evaluate, report"),
+                        ("inspect", "the pruning plan and the parameter/memory account (no training)"),
+                        ("cache", "build the feature cache only"),
+                        ("recover", "prune, cache, train, merge and export without baseline evaluation")):
+        _common(sub.add_parser(name, help=help_))
+    e = sub.add_parser("export", help="merge and export a finished training from its checkpoints")
+    e.add_argument("--output", required=True)
+    e.add_argument("--quiet", action="store_true")
+    ev = sub.add_parser("eval", help="held-out perplexity of a model")
+    ev.add_argument("model", help="model folder, .gguf file, hub id or 'embedded'")
+    ev.add_argument("--data", help="text source (default: the embedded corpus)")
+    ev.add_argument("--seq-len", type=int, default=256)
+    ev.add_argument("--sequences", type=int, default=48)
+    ev.add_argument("--quiet", action="store_true")
+    sub.add_parser("presets", help="list the built-in presets")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "httpx", "urllib3", "datasets", "huggingface_hub", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    command = args.command or "run"
+    if args.command is None:  # `overrep` alone runs the default job
+        args = build_parser().parse_args(["run", *(argv or sys.argv[1:])])
+    handlers = {"run": cmd_run, "inspect": cmd_inspect, "cache": cmd_cache,
+                "recover": lambda a: cmd_run(a, evaluate=False), "export": cmd_export, "eval": cmd_eval,
+                "presets": cmd_presets}
+    try:
+        return handlers[command](args)
+    except OverRepError as e:
+        print(f"overrep: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("overrep: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

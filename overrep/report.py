@@ -1,0 +1,89 @@
+"""``report.md`` and its plots: what a run did, in a form a person reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_training(history: list[dict], path: Path) -> None:
+    """Training loss, validation loss and alpha against the step, one figure."""
+    steps = [h["step"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    ax1.plot(steps, [h["loss"] for h in history], lw=0.8, alpha=0.6, label="train MSE")
+    val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
+    if val:
+        ax1.plot(*zip(*val), "o-", ms=3, label="held-out MSE")
+    ax1.set_yscale("log")
+    ax1.set_ylabel("layer-wise MSE")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.plot(steps, [h["alpha"] for h in history], color="tab:red", label="alpha (annealed activation)")
+    ax2.plot(steps, [h["lr"] / max(h2["lr"] for h2 in history) for h in history], color="tab:gray", ls="--",
+             label="lr / peak lr")
+    ax2.set_xlabel("step")
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(v, digits=4):
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
+    plots = out / "plots"
+    plots.mkdir(exist_ok=True)
+    if history:
+        plot_training(history, plots / "training.png")
+    rows = [("dense", m.get("dense_ppl"), m.get("dense_params"), m.get("num_layers_before"),
+             m.get("dense_latency_s_per_token")),
+            ("pruned, no recovery", m.get("pruned_ppl"), m.get("pruned_params"), m.get("num_layers_after"),
+             m.get("pruned_latency_s_per_token")),
+            (f"recovered ({m.get('preset')})", m.get("recovered_ppl"), m.get("recovered_params"),
+             m.get("num_layers_after"), m.get("recovered_latency_s_per_token"))]
+    lines = [
+        "# overrep run report", "",
+        f"Model: `{m.get('model')}`. Removed blocks {m['removed_layers']} "
+        f"({m['num_layers_before']} -> {m['num_layers_after']} blocks: "
+        f"{100 * m['layer_fraction_removed']:.1f}% of the blocks, {100 * m['param_fraction_removed']:.1f}% "
+        f"of the parameters).", "",
+        "| model | held-out perplexity | parameters | blocks | latency (ms/token) |",
+        "|---|---|---|---|---|",
+        *[f"| {n} | {_fmt(p)} | {_fmt(c)} | {l} | {_fmt(None if t is None else 1000 * t, 3)} |"
+          for n, p, c, l, t in rows],
+        "",
+        f"Held-out text: {cfg.data.heldout_sequences} sequences of {cfg.data.seq_len} tokens from "
+        f"`{cfg.data.source}`, disjoint from the training documents.", "",
+        "## Recovery", "",
+        f"- preset `{m.get('preset')}`, {_fmt(m.get('trainable_params'))} trainable parameters "
+        f"(recovery ratio {100 * m.get('recovery_ratio', 0):.1f}% of the compact model)",
+        f"- {m.get('train_steps')} steps, {_fmt(m.get('train_seconds'), 3)} s, "
+        f"{_fmt(m.get('train_tokens_per_second'), 4)} tokens/s",
+        f"- final training MSE {_fmt(m.get('final_train_loss'))}, held-out MSE {_fmt(m.get('final_val_loss'))}",
+        f"- merge: {m.get('merged_wrappers')} projections folded, max abs difference "
+        f"{_fmt(m.get('merge_max_abs_diff'), 3)} (relative {_fmt(m.get('merge_max_rel_diff'), 3)}); "
+        f"exported model reloads with max logit difference {_fmt(m.get('export_reload_max_abs_diff'), 3)}",
+        "", "![training](plots/training.png)", "",
+    ]
+    if m.get("samples"):
+        lines += ["## Samples (greedy)", ""]
+        for tag, text in m["samples"].items():
+            lines += [f"**{tag}**:", "", "> " + text.replace("\n", " "), ""]
+    lines += ["## Reproduce", "", "```", f"overrep run --config {out / 'config.yaml'} --output NEW_FOLDER", "```", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path

