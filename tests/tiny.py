@@ -45,3 +45,31 @@ def tiny_model(arch: str, seed: int = 0):
 def tiny_ids(batch: int = 2, seq: int = 16, vocab: int = 97, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def tiny_tokenizer(texts: list[str], vocab_size: int = 300):
+    """A small byte-level BPE tokenizer trained in code on ``texts``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def make_tiny_model_dir(path, texts: list[str], arch: str = "llama", seed: int = 0):
+    """Save a tiny random ``arch`` model plus a trained tokenizer as a HF folder."""
+    tok = tiny_tokenizer(texts)
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch)
+    cfg.vocab_size = len(tok)
+    cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
+    cfg.bos_token_id = None
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -1,0 +1,212 @@
+"""The pipeline and CLI end to end on a tiny model (seconds), and on the real embedded model (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from overrep.cli import main
+from overrep.config import RunConfig
+from overrep.errors import OverRepError
+from overrep.pipeline import Pipeline
+from overrep.train import Trainer
+
+from tiny import make_tiny_model_dir
+
+WORDS = ("alpha beta gamma delta river mountain city music science history language animal planet "
+         "ocean forest energy system theory").split()
+
+
+def corpus(n_docs: int = 300) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    docs = []
+    for d in range(n_docs):
+        idx = torch.randint(0, len(WORDS), (40,), generator=g).tolist()
+        docs.append(f"Document {d}. " + " ".join(WORDS[i] for i in idx) + ".")
+    return docs
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    docs = corpus()
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    make_tiny_model_dir(root / "tiny-llama", docs)
+    return root
+
+
+def tiny_cfg(assets: Path, out: Path, **over) -> RunConfig:
+    base = {
+        "model": {"source": str(assets / "tiny-llama")},
+        "prune": {"remove": "3-4"},
+        "recovery": {"steps": 8, "batch_size": 4, "checkpoint_every": 2, "eval_every": 4, "lr": 1e-3},
+        "data": {"source": str(assets / "corpus.jsonl"), "seq_len": 32, "train_sequences": 24,
+                 "heldout_sequences": 4},
+        "cache": {"dir": str(out.parent / "cache")},
+        "eval": {"latency_tokens": 4},
+        "output": str(out),
+    }
+    for key, value in over.items():
+        section, field = key.split("__")
+        base[section][field] = value
+    return RunConfig.load(overrides=base)
+
+
+def test_run_end_to_end(assets, tmp_path):
+    out = tmp_path / "run"
+    m = Pipeline(tiny_cfg(assets, out), progress=False).run()
+    saved = json.loads((out / "metrics.json").read_text())
+    for key in ("dense_ppl", "pruned_ppl", "recovered_ppl", "merge_max_abs_diff", "removed_layers",
+                "num_layers_before", "num_layers_after", "trainable_params", "train_seconds",
+                "train_tokens_per_second"):
+        assert saved[key] is not None, key
+    assert saved["removed_layers"] == [3, 4] and saved["num_layers_after"] == 4
+    assert saved["merge_max_abs_diff"] <= 1e-4
+    assert saved["recovered_params"] == saved["pruned_params"] < saved["dense_params"]
+    assert m["train_steps"] == 8 and m["train_tokens"] == 8 * 4 * 32
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert model.config.num_hidden_layers == 4
+    assert (out / "model" / "overrep.json").is_file() and (out / "model" / "tokenizer.json").is_file()
+    ids = torch.tensor([[1, 2, 3]])
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 6)
+    assert (out / "report.md").read_text().count("perplexity") >= 1
+    assert (out / "plots" / "training.png").stat().st_size > 1000
+    assert RunConfig.load(out / "config.yaml").to_dict() == tiny_cfg(assets, out).to_dict()
+    assert len((out / "train_log.jsonl").read_text().splitlines()) == 8
+
+
+def _weights(out: Path) -> dict:
+    return load_file(out / "model" / "model.safetensors")
+
+
+def test_resume_after_a_kill_reaches_the_same_weights(assets, tmp_path, monkeypatch):
+    ref = tmp_path / "ref"
+    Pipeline(tiny_cfg(assets, ref, eval__perplexity=False, eval__latency=False), progress=False).run()
+
+    out = tmp_path / "killed"
+    original = Trainer.batch_indices
+
+    def dies_at_step_5(self, step):
+        if step == 5:
+            raise RuntimeError("simulated kill -9")  # no graceful checkpoint: the last one is step 4
+        return original(self, step)
+
+    monkeypatch.setattr(Trainer, "batch_indices", dies_at_step_5)
+    cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False)
+    with pytest.raises(RuntimeError, match="simulated"):
+        Pipeline(cfg, progress=False).run()
+    assert not (out / "metrics.json").exists() and not (out / "model").exists()
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["step-000002.pt", "step-000004.pt"]
+    with pytest.raises(OverRepError, match="unfinished run"):
+        Pipeline(cfg, progress=False).run()
+    monkeypatch.setattr(Trainer, "batch_indices", original)
+    Pipeline(cfg, resume=True, progress=False).run()
+    a, b = _weights(ref), _weights(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k
+
+
+def test_live_teacher_trains_like_the_cache(assets, tmp_path):
+    kw = dict(eval__perplexity=False, eval__latency=False)
+    Pipeline(tiny_cfg(assets, tmp_path / "disk", **kw), progress=False).run()
+    Pipeline(tiny_cfg(assets, tmp_path / "live", cache__mode="live", **kw), progress=False).run()
+    a, b = _weights(tmp_path / "disk"), _weights(tmp_path / "live")
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=0), k
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(assets, tmp_path, monkeypatch):
+    original = Trainer._loss
+
+    def nan_at_step_3(self, batch):
+        loss = original(self, batch)
+        return loss * float("nan") if self.step == 3 else loss
+
+    monkeypatch.setattr(Trainer, "_loss", nan_at_step_3)
+    out = tmp_path / "nan"
+    with pytest.raises(OverRepError, match="loss became nan at step 3.*step-000002.pt"):
+        Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False), progress=False).run()
+    assert not (out / "metrics.json").exists() and not (out / "model").exists()
+
+
+def test_finished_output_is_not_overwritten_silently(assets, tmp_path):
+    cfg = tiny_cfg(assets, tmp_path / "done", eval__perplexity=False, eval__latency=False, recovery__steps=2)
+    Pipeline(cfg, progress=False).run()
+    with pytest.raises(OverRepError, match="finished run"):
+        Pipeline(cfg, progress=False).run()
+    Pipeline(cfg, overwrite=True, progress=False).run()
+
+
+def test_corrupt_cache_is_rebuilt_or_refused(assets, tmp_path):
+    kw = dict(eval__perplexity=False, eval__latency=False, recovery__steps=2)
+    p = Pipeline(tiny_cfg(assets, tmp_path / "a", **kw), progress=False)
+    p.run()
+    shard = next(Path(p.metrics["cache"]["path"]).glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(OverRepError, match="corrupt|sha256|differs"):
+        Pipeline(tiny_cfg(assets, tmp_path / "b", cache__rebuild="never", **kw), progress=False).run()
+    Pipeline(tiny_cfg(assets, tmp_path / "c", **kw), progress=False).run()  # auto: rebuilt
+
+
+def cli(*args) -> int:
+    return main(list(args))
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--model", "/no/such/model"], "does not exist"),
+    (["--ratio", "1.5"], "between 0 and 1"),
+    (["--ratio", "0.999"], "leaving none|removes"),
+    (["--remove", "40-45"], "out of range"),
+    (["--remove", "0-5"], "leaves no block"),
+    (["--set", "recovery.nope=1"], "unknown config field"),
+    (["--set", "data.source=hf:HuggingFaceFW/fineweb-edu:sample-10BT"], "hub"),
+    (["--config", "/no/such.yaml"], "does not exist"),
+])
+def test_cli_bad_inputs_fail_in_one_line(assets, tmp_path, capsys, extra, msg, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "bad"
+    cfg = tmp_path / "cfg.yaml"
+    tiny_cfg(assets, out).save(cfg)
+    code = cli("run", "--config", str(cfg), "--quiet", *extra) if "--config" not in extra else cli(
+        "run", "--quiet", *extra)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("overrep: error:") and __import__("re").search(msg, err[-1]), err[-1]
+    assert not (out / "metrics.json").exists() and not (out / "model").exists()
+
+
+def test_cli_run_and_inspect(assets, tmp_path, capsys):
+    cfg = tmp_path / "cfg.yaml"
+    tiny_cfg(assets, tmp_path / "cli", recovery__steps=2).save(cfg)
+    assert cli("run", "--config", str(cfg), "--quiet", "--max-steps", "2") == 0
+    assert json.loads((tmp_path / "cli" / "metrics.json").read_text())["train_steps"] == 2
+    capsys.readouterr()
+    assert cli("inspect", "--config", str(cfg), "--remove", "2-3") == 0
+    acc = json.loads(capsys.readouterr().out)
+    assert acc["removed_layers"] == [2, 3] and acc["trainable_params"] > 0
+
+
+@pytest.mark.slow
+def test_real_embedded_model_few_steps(tmp_path):
+    """The default model and corpus, a few steps: loads, prunes 25%, recovers, exports."""
+    cfg = RunConfig.load(overrides={
+        "recovery": {"steps": 12, "batch_size": 4, "checkpoint_every": 12, "eval_every": 12},
+        "data": {"seq_len": 64, "train_sequences": 16, "heldout_sequences": 4},
+        "cache": {"dir": str(tmp_path / "cache")},
+        "eval": {"latency": False},
+        "output": str(tmp_path / "out")})
+    m = Pipeline(cfg, progress=False).run()
+    assert m["num_layers_before"] == 30 and m["removed_layers"] == list(range(18, 29))
+    assert m["merge_max_abs_diff"] <= 1e-4
+    assert m["dense_ppl"] < 100 < m["pruned_ppl"]
+    assert m["recovered_ppl"] < m["pruned_ppl"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    assert model.config.num_hidden_layers == 19
