@@ -68,16 +68,12 @@ def cmd_run(args, *, evaluate: bool = True) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .accounting import recovery_account
-    from .pipeline import Pipeline
-
-    cfg = _config(args)
-    p = Pipeline(cfg)
-    from .models import load_model
-    from .accounting import blocks_for_ratio
+    from .accounting import blocks_for_ratio, recovery_account
     from .criteria import get_criterion
+    from .models import load_model
     from .surgery import parse_layers
 
+    cfg = _config(args)
     model, _, info = load_model(cfg.model.source)
     if cfg.prune.remove is not None:
         removed = parse_layers(str(cfg.prune.remove))
@@ -85,9 +81,7 @@ def cmd_inspect(args) -> int:
         removed = get_criterion(cfg.prune.criterion)(model, blocks_for_ratio(model, cfg.prune.ratio))
     acc = recovery_account(model.config, removed, cfg.recovery.preset, blocks=cfg.recovery.blocks,
                            block1_init=cfg.recovery.block1_init)
-    acc["model"] = info["source"]
-    acc["total_steps"] = cfg.total_steps()
-    del p
+    acc.update(model=info["source"], total_steps=cfg.total_steps())
     print(json.dumps(acc, indent=2))
     return 0
 
@@ -107,21 +101,25 @@ def cmd_cache(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from pathlib import Path
+
     from .config import RunConfig
     from .pipeline import Pipeline
-    from pathlib import Path
 
     out = Path(args.output)
     if not (out / "config.yaml").is_file():
         raise OverRepError(f"'{out}' is not an overrep output folder (no config.yaml)")
-    cfg = RunConfig.load(out / "config.yaml")
-    p = Pipeline(cfg, resume=True, progress=not args.quiet)
+    p = Pipeline(RunConfig.load(out / "config.yaml"), resume=True, progress=not args.quiet)
     p.prepare_output()
     p.load()
     p.prune()
     p.build_recovery()
-    p.train(lambda idx: (_ for _ in ()).throw(OverRepError("training is not finished; run "
-                                                            "`overrep recover --resume` first")))
+    trainer = p.make_trainer(source=None)
+    if trainer.step < trainer.total:
+        raise OverRepError(f"training in '{out}' stopped at step {trainer.step} of {trainer.total}; "
+                           "finish it with `overrep recover --resume` first")
+    for m in p.modules:
+        m.activation.set_step(trainer.total)
     p.merge()
     print(p.export())
     return 0

