@@ -1,0 +1,343 @@
+"""Training-step throughput, memory and FLOP/s of OverRep recovery, measured in one run.
+
+For one pruning of one model (default: the embedded SmolLM2-135M, RunConfig's default
+pruning = 25 % of the parameters, criterion "last"; or ``--remove``) and one batch
+(``--batch`` x ``--seq-len`` tokens), each case below runs ``--warmup`` untimed and
+``--steps`` timed optimiser steps, each in its own child process (``--case NAME``):
+
+  overrep_cached  hybrid preset, batches read from a feature cache built by the
+                  pipeline's own code (Pipeline.features -> cache.build_or_open)
+  overrep_live    hybrid preset, dense teacher's features recomputed every step
+  plain_cached    "plain-full" preset (same recovery blocks, no W/D) from the cache:
+                  the intrinsic overhead of the overcomplete parameterisation
+  full_backprop   LM loss on the whole pruned model, every decoder block (and the final
+                  norm) trainable, embeddings / LM head frozen, AdamW: forward + backward
+                  through every block and the LM head, the least a LoRA-style recovery costs
+
+A ``cache_build`` child first builds the cache (batch x (warmup + steps) samples, in a
+temporary folder) and reports its rate. The training steps are the trainer's own
+(Trainer's optimiser, lr schedule, loss and grad clipping); the annealed activation is
+pinned mid-schedule (alpha > 0) as during most of a real run. Cached cases drop the dense
+teacher after the cache is open (training from a cache does not need it).
+
+Per case: seconds per step (mean and best), tokens/s, peak resident memory of the child
+(``ru_maxrss``, which includes loading the dense model) and the peak during training
+alone (``VmHWM`` after resetting it, where Linux allows), FLOPs of one step
+(FlopCounterMode, one extra step; attention counted as full, not causal; overrep_live
+includes the teacher's forward) and achieved FLOP/s. The parent
+also times plain fp32 ``torch.mm`` of the step's shapes ([batch*seq, hidden] x
+[hidden, intermediate] and back), best of a few, and reports the ratios.
+
+Run:   make bench            (= .venv/bin/python benchmarks/bench_training.py)
+       .venv/bin/python benchmarks/bench_training.py --threads 8 --json-out bench.json
+       .venv/bin/python benchmarks/bench_training.py --model DIR --data corpus.jsonl --remove 3-4 --cases overrep_cached,full_backprop
+The JSON result goes to stdout, progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CASES = ("overrep_cached", "overrep_live", "plain_cached", "full_backprop")
+PRESETS = {"overrep_cached": "hybrid", "overrep_live": "hybrid", "plain_cached": "plain-full",
+           "full_backprop": "hybrid", "cache_build": "hybrid"}
+MB = 1024 * 1024
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- child side
+def rss_hwm_reset() -> bool:
+    """Reset the process's peak-RSS counter (VmHWM); False where the kernel refuses."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_hwm_mb() -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024 / MB
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB  # Linux: ru_maxrss is in KiB
+
+
+def flop_counter():
+    """FlopCounterMode that also counts the CPU flash-attention kernels SDPA uses on CPU."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={  # arguments arrive as shapes
+        aten._scaled_dot_product_flash_attention_for_cpu:
+            lambda q, k, v, *_, out_shape=None, **__: sdpa_flop_count(q, k, v),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            lambda g, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(g, q, k, v)})
+
+
+def make_pipeline(args, case: str):
+    from overrep.config import RunConfig
+    from overrep.pipeline import Pipeline
+
+    work = Path(args.work_dir)
+    cfg = RunConfig.load(overrides={
+        "model": {"source": args.model},
+        "prune": {"remove": args.remove} if args.remove else {},
+        "recovery": {"preset": PRESETS[case], "batch_size": args.batch, "threads": args.threads},
+        "data": {"source": args.data, "seq_len": args.seq_len, "heldout_sequences": 1,
+                 "train_sequences": args.batch * (args.warmup + args.steps)},
+        "cache": {"dir": str(work / "cache"), "mode": "live" if case == "overrep_live" else "disk"},
+        "output": str(work / f"run-{case}"),
+    })
+    p = Pipeline(cfg, overwrite=True, progress=False)
+    p.prepare_output()
+    p.load()
+    p.prune()
+    return p
+
+
+def recovery_step_fn(p, source):
+    """One recovery step as Trainer.run takes it (same optimiser, lr, alpha, loss, clipping), at step
+    indices from the middle of a default-length run."""
+    from overrep.config import RunConfig
+    from overrep.train import Trainer, lr_factor
+
+    cfg = p.cfg.recovery
+    total = RunConfig().total_steps()  # a notional full run, so alpha sits inside its annealing phase
+    trainer = Trainer(p.modules, p.contexts, source, p.train_ids.shape[0], cfg, total,
+                      Path(p.out) / "checkpoints", progress=False)
+    params = [q for g in trainer.opt.param_groups for q in g["params"]]
+    for m in p.modules:
+        m.train()
+
+    def step(i: int) -> None:
+        s = total // 2 + i
+        for m in p.modules:
+            m.activation.set_step(s)
+        for g in trainer.opt.param_groups:
+            g["lr"] = cfg.lr * lr_factor(s, total, cfg.warmup_ratio, cfg.min_lr_ratio)
+        trainer.opt.zero_grad(set_to_none=True)
+        loss = trainer._loss(source(trainer.batch_indices(s)))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        trainer.opt.step()
+
+    return step, sum(q.numel() for q in params), p.modules[0].activation
+
+
+def full_backprop_step_fn(p):
+    from overrep.arch import decoder_layers, final_norm
+
+    model, cfg = p.pruned, p.cfg.recovery
+    model.requires_grad_(False)
+    for layer in decoder_layers(model):
+        layer.requires_grad_(True)
+    final_norm(model).requires_grad_(True)
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    model.train()
+    ids, b = p.train_ids, cfg.batch_size
+
+    def step(i: int) -> None:
+        rows = ids[(i * b) % ids.shape[0]:][:b]
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=rows, labels=rows, use_cache=False).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+
+    return step, sum(q.numel() for q in params)
+
+
+def run_child(args) -> dict:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    case = args.case
+    p = make_pipeline(args, case)
+    cfg = p.dense.config
+    out = {"case": case, "removed_layers": p.plan.removed, "num_layers": p.num_layers,
+           "hidden_size": cfg.hidden_size, "intermediate_size": getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+           "model": p.model_info["source"], "threads": torch.get_num_threads()}
+    tokens, act = args.batch * args.seq_len, None
+    if case == "full_backprop":
+        p.dense = None  # the pruned model is a deep copy
+        step, out["trainable_params"] = full_backprop_step_fn(p)
+    else:
+        p.build_recovery()
+        t0 = time.perf_counter()
+        source = p.features()
+        if case == "cache_build":
+            dt = time.perf_counter() - t0
+            n = p.train_ids.shape[0]
+            out.update(cache_build_seconds=dt, cache_build_tokens_per_second=n * args.seq_len / dt,
+                       cache_samples=n, cache_bytes=p.cache.nbytes, peak_rss_mb=peak_rss_mb())
+            return out
+        if case != "overrep_live":
+            p.dense = None  # training from the cache never touches the teacher
+        step, out["trainable_params"], act = recovery_step_fn(p, source)
+    peak_before = peak_rss_mb()  # the reset below also resets what ru_maxrss reports
+    hwm_ok = rss_hwm_reset()
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        step(i)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        log(f"{case}: step {i + 1}/{args.warmup + args.steps} {time.perf_counter() - t0:.3f} s"
+            + (" (warm-up)" if i < args.warmup else ""))
+    if act is not None and act.enabled and any(b.w or b.d for b in p.preset.blocks):
+        out["alpha"] = act.alpha
+    if hwm_ok:
+        out["train_peak_rss_mb"] = rss_hwm_mb()
+    out["peak_rss_mb"] = max(peak_before, peak_rss_mb(), out.get("train_peak_rss_mb", 0.0))
+    with flop_counter() as fc:  # one more step, after the memory readings
+        step(args.warmup + args.steps)
+    mean = sum(times) / len(times)
+    out.update(seconds_per_step=mean, seconds_per_step_min=min(times), tokens_per_second=tokens / mean,
+               flops_per_step=fc.get_total_flops())
+    out["achieved_flops_per_second"] = out["flops_per_step"] / mean
+    return out
+
+
+# --------------------------------------------------------------------------- parent side
+def matmul_flops(m: int, hidden: int, inter: int, repeats: int = 5) -> dict:
+    """Best-of-``repeats`` fp32 torch.mm FLOP/s for the step's two typical MLP shapes."""
+    out = {}
+    for a, b, c in ((m, hidden, inter), (m, inter, hidden)):
+        x, w = torch.randn(a, b), torch.randn(b, c)
+        torch.mm(x, w)  # warm-up
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(x, w)
+            best = min(best, time.perf_counter() - t0)
+        out[f"{a}x{b}x{c}"] = 2 * a * b * c / best
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_case(args, case: str, work: str) -> dict:
+    result = Path(work) / f"{case}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", case, "--work-dir", work,
+           "--json-out", str(result), "--model", args.model, "--data", args.data, "--batch", str(args.batch),
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--remove", args.remove] if args.remove else []
+    cmd += ["--threads", str(args.threads)] if args.threads else []
+    log(f"running case {case}")
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, stdout=sys.stderr).returncode  # children's output must not reach our stdout
+    if rc:
+        sys.exit(f"bench: case {case} failed (exit status {rc}); its output is above")
+    log(f"case {case} done in {time.perf_counter() - t0:.1f} s")
+    return json.loads(result.read_text())
+
+
+def run_parent(args) -> dict:
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    bad = [c for c in cases if c not in CASES]
+    if bad:
+        sys.exit(f"unknown case(s) {bad}; choose from {', '.join(CASES)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="overrep-bench-") as work:
+        if any(c.endswith("_cached") for c in cases):
+            res["cache_build"] = run_case(args, "cache_build", work)
+        for c in cases:
+            res[c] = run_case(args, c, work)
+    info = next(iter(res.values()))
+    m = args.batch * args.seq_len
+    log(f"timing torch.mm for [{m}, {info['hidden_size']}] x [{info['hidden_size']}, {info['intermediate_size']}]")
+    mm = matmul_flops(m, info["hidden_size"], info["intermediate_size"])
+    report = {
+        "settings": {"model": info["model"], "removed_layers": info["removed_layers"],
+                     "num_layers": info["num_layers"], "data": args.data, "batch": args.batch,
+                     "seq_len": args.seq_len, "tokens_per_step": m, "steps": args.steps, "warmup": args.warmup,
+                     "threads": info["threads"], "torch": torch.__version__, "python": platform.python_version(),
+                     "cpu": cpu_model(), "cpu_count": _cpu_count(), "cases": cases},
+        "cases": {},
+        "matmul_flops_per_second": max(mm.values()),
+        "matmul_flops_per_second_by_shape": mm,
+    }
+    keep = ("seconds_per_step", "seconds_per_step_min", "tokens_per_second", "peak_rss_mb", "train_peak_rss_mb",
+            "flops_per_step", "achieved_flops_per_second", "trainable_params", "alpha")
+    for c in cases:
+        report["cases"][c] = {k: res[c][k] for k in keep if k in res[c]}
+    if "cache_build" in res:
+        cb = res["cache_build"]
+        for k in ("cache_build_seconds", "cache_build_tokens_per_second", "cache_samples", "cache_bytes"):
+            report[k] = cb[k]
+        report["cache_build_peak_rss_mb"] = cb["peak_rss_mb"]
+    step = {c: res[c]["seconds_per_step"] for c in cases}
+    if "overrep_cached" in step:
+        report["overrep_flops_fraction_of_matmul"] = (res["overrep_cached"]["achieved_flops_per_second"]
+                                                      / report["matmul_flops_per_second"])
+    for key, num, den in (("overrep_vs_plain_step_time", "overrep_cached", "plain_cached"),
+                          ("full_backprop_vs_overrep_step_time", "full_backprop", "overrep_cached"),
+                          ("live_vs_cached_step_time", "overrep_live", "overrep_cached")):
+        if num in step and den in step:
+            report[key] = step[num] / step[den]
+    return report
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="embedded", help="'embedded' (SmolLM2-135M), a HF folder, .gguf or hub id")
+    ap.add_argument("--data", default="embedded", help="data source as in data.source (a .txt/.jsonl file ...)")
+    ap.add_argument("--remove", default=None, help="blocks to remove, e.g. '21-28' (default: RunConfig's 25%% ratio)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per case (default 5)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default 1)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+    ap.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # child mode
+    ap.add_argument("--work-dir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
+        ap.error("--steps must be >= 1, --warmup >= 0, --batch >= 1")
+    report = run_child(args) if args.case else run_parent(args)
+    text = json.dumps(report, indent=2)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
+    if not args.case:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
