@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .arch import ATTN_PROJ, block_parts, decoder_layers, final_norm, mlp_activation
+from .arch import block_parts, decoder_layers, final_norm, mlp_activation
 from .experts import OvercompleteExperts
 from .presets import Preset
 from .projection import MergeRefused, OvercompleteLinear, ReparamNorm
@@ -226,4 +226,4 @@ def module_context(full_context: list[dict], module: RecoveryModule) -> list[dic
 
 
 __all__ = ["RecoveryModule", "apply_preset", "merge_recovery", "has_wrappers", "count_parameters",
-           "capture_layer_context", "teacher_features", "module_context", "MergeRefused", "ATTN_PROJ"]
+           "capture_layer_context", "teacher_features", "module_context", "MergeRefused"]
