@@ -3,6 +3,7 @@
     overrep run [--config FILE] [--model M] [--ratio R | --remove 21-28] [--output DIR]
                 [--max-steps N] [--set section.field=value ...] [--resume | --overwrite]
     overrep inspect  [same options]   plan + parameter/memory account, no training
+    overrep prune    [same options]   export the pruned model without recovery (a baseline)
     overrep cache    [same options]   build (or verify) the feature cache only
     overrep recover  [same options]   prune, cache, train, merge, export (no baseline evaluation)
     overrep export   --output DIR     merge and export a finished training from its checkpoints
@@ -86,6 +87,20 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_prune(args) -> int:
+    from .pipeline import Pipeline
+
+    p = Pipeline(_config(args), resume=True, overwrite=args.overwrite, progress=not args.quiet)
+    p.prepare_output()
+    p.load()
+    p.prune()
+    path = p.export_pruned()
+    print(json.dumps({k: p.metrics[k] for k in ("removed_layers", "num_layers_before", "num_layers_after",
+                                                 "layer_fraction_removed", "param_fraction_removed")}, indent=2))
+    print(path)
+    return 0
+
+
 def cmd_cache(args) -> int:
     from .pipeline import Pipeline
 
@@ -153,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=False)
     for name, help_ in (("run", "the whole job: prune, cache, recover, merge, export, evaluate, report"),
                         ("inspect", "the pruning plan and the parameter/memory account (no training)"),
+                        ("prune", "remove the blocks and export the pruned model without recovery"),
                         ("cache", "build the feature cache only"),
                         ("recover", "prune, cache, train, merge and export without baseline evaluation")):
         _common(sub.add_parser(name, help=help_))
@@ -182,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or "run"
     if args.command is None:  # `overrep` alone runs the default job
         args = build_parser().parse_args(["run", *(argv or sys.argv[1:])])
-    handlers = {"run": cmd_run, "inspect": cmd_inspect, "cache": cmd_cache,
+    handlers = {"run": cmd_run, "inspect": cmd_inspect, "prune": cmd_prune, "cache": cmd_cache,
                 "recover": lambda a: cmd_run(a, evaluate=False), "export": cmd_export, "eval": cmd_eval,
                 "presets": cmd_presets}
     try:

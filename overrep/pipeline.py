@@ -261,6 +261,13 @@ class Pipeline:
         self.metrics["model_dir"] = str(path)
         return path
 
+    def export_pruned(self) -> Path:
+        """The pruned model without recovery, as a loadable folder (a baseline)."""
+        provenance = {"overrep_version": __version__, "source_model": self.model_info,
+                      "removed_layers": self.plan.removed, "plan": self.plan.to_dict(), "method": "none",
+                      "config": self.cfg.to_dict()}
+        return export_model(self.pruned, self.tokenizer, self.out / "pruned-model", provenance, overwrite=True)
+
     # ---- everything ----------------------------------------------------------------
     def run(self) -> dict:
         t_start = time.perf_counter()

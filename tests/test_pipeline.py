@@ -192,6 +192,9 @@ def test_cli_run_and_inspect(assets, tmp_path, capsys):
     assert cli("inspect", "--config", str(cfg), "--remove", "2-3") == 0
     acc = json.loads(capsys.readouterr().out)
     assert acc["removed_layers"] == [2, 3] and acc["trainable_params"] > 0
+    assert cli("prune", "--config", str(cfg), "--remove", "1,3", "--output", str(tmp_path / "pr"), "--quiet") == 0
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "pr" / "pruned-model")
+    assert pruned.config.num_hidden_layers == 4
 
 
 @pytest.mark.slow
