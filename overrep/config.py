@@ -81,6 +81,8 @@ class EvalConfig:
     latency: bool = True  # greedy generation latency of each model
     latency_tokens: int = 32  # tokens generated for the latency measurement
     sample_prompt: str = "The history of the printing press"  # prompt for the sample generation in the report
+    benchmarks: str | None = None  # lm-eval suites/tasks for dense, pruned and recovered models, e.g. "reasoning" or "arc_easy,piqa" (off by default: minutes per model)
+    benchmark_limit: int | None = 200  # documents per benchmark (None: all)
 
 
 @dataclass

@@ -68,6 +68,7 @@ class Pipeline:
         self.out = Path(cfg.output)
         self.metrics: dict = {}
         self.timings: dict[str, float] = {}
+        self.benchmark_results: dict[str, dict] = {}
 
     # ---- stage 0: output folder ----------------------------------------------------
     def prepare_output(self) -> None:
@@ -149,6 +150,20 @@ class Pipeline:
             lat = generation_latency(model, self.tokenizer, ev.sample_prompt, ev.latency_tokens)
             self.metrics[f"{tag}_latency_s_per_token"] = lat["seconds_per_token"]
             self.metrics.setdefault("samples", {})[tag] = lat["text"]
+        if ev.benchmarks:
+            from .lmeval import evaluate_benchmarks
+
+            results = evaluate_benchmarks(model, self.tokenizer, tasks=ev.benchmarks, limit=ev.benchmark_limit,
+                                          output=self.out / "benchmarks" / f"{tag}.json", progress=self.progress)
+            self.benchmark_results[tag] = results
+            self.metrics.setdefault("benchmarks", {})[tag] = {
+                b: r.get("value") for b, r in results["tasks"].items() if r.get("status") == "ok"}
+            if tag != "dense" and "dense" in self.benchmark_results:
+                from .retained import retained_performance
+
+                rp = retained_performance(results, self.benchmark_results["dense"])
+                self.metrics.setdefault("retained_performance", {})[tag] = {
+                    suite: v.get("rp") for suite, v in rp.items()}
         self.metrics[f"{tag}_params"] = count_parameters(model)
         self.timings[f"eval_{tag}"] = time.perf_counter() - t0
 

@@ -79,6 +79,18 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         f"exported model reloads with max logit difference {_fmt(m.get('export_reload_max_abs_diff'), 3)}",
         "", "![training](plots/training.png)", "",
     ]
+    if m.get("benchmarks"):
+        tags = [t for t in ("dense", "pruned", "recovered") if t in m["benchmarks"]]
+        names = sorted({b for t in tags for b in m["benchmarks"][t]})
+        lines += ["## Benchmarks (lm-eval, offline copies; results files in `benchmarks/`)", "",
+                  "| benchmark | " + " | ".join(tags) + " |", "|---|" + "---|" * len(tags)]
+        for b in names:
+            lines.append(f"| {b} | " + " | ".join(_fmt(None if m['benchmarks'][t].get(b) is None
+                                                       else 100 * m['benchmarks'][t][b], 3) for t in tags) + " |")
+        for tag, rp in (m.get("retained_performance") or {}).items():
+            lines.append(f"| RP {tag} (% of dense) | " + ", ".join(f"{s}: {_fmt(v, 3)}" for s, v in rp.items())
+                         + " |" + " |" * (len(tags) - 1))
+        lines.append("")
     if m.get("samples"):
         lines += ["## Samples (greedy)", ""]
         for tag, text in m["samples"].items():

@@ -229,3 +229,15 @@ def test_cli_cache_then_export_from_checkpoints(assets, tmp_path, capsys):
     after = _weights(tmp_path / "st")
     for k in before:
         assert torch.allclose(before[k], after[k], atol=1e-6, rtol=0), k
+
+
+def test_benchmarks_inside_the_run_report(assets, tmp_path):
+    cfg = tiny_cfg(assets, tmp_path / "bench", eval__latency=False, recovery__steps=2,
+                   eval__benchmarks="arc_easy,winogrande", eval__benchmark_limit=2)
+    m = Pipeline(cfg, progress=False).run()
+    assert set(m["benchmarks"]) == {"dense", "pruned", "recovered"}
+    assert set(m["benchmarks"]["dense"]) == {"arc_easy", "winogrande"}
+    assert set(m["retained_performance"]) == {"pruned", "recovered"}
+    assert (tmp_path / "bench" / "benchmarks" / "recovered.json").is_file()
+    report = (tmp_path / "bench" / "report.md").read_text()
+    assert "## Benchmarks" in report and "| arc_easy |" in report
