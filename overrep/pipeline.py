@@ -62,6 +62,18 @@ def model_fingerprint(model, source: str) -> str:
     return h.hexdigest()[:16]
 
 
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise OverRepError(f"unknown device '{spec}'; use auto, cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OverRepError(f"device '{spec}' requested but CUDA is not available on this machine")
+    return device
+
+
 class Pipeline:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True):
         self.cfg, self.resume, self.overwrite, self.progress = cfg, resume, overwrite, progress
@@ -105,6 +117,8 @@ class Pipeline:
         t0 = time.perf_counter()
         self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=_DTYPES[cfg.model.dtype])
         check_supported(self.dense)
+        self.device = resolve_device(cfg.model.device)
+        self.dense.to(self.device)
         self.timings["load_model"] = time.perf_counter() - t0
         self.num_layers = len(decoder_layers(self.dense))
         if cfg.prune.remove is not None:
@@ -268,8 +282,8 @@ class Pipeline:
             "config": self.cfg.to_dict(),
         }
         path = export_model(self.pruned, self.tokenizer, self.out / "model", provenance, overwrite=True)
-        reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.pruned.dtype).eval()
-        ids = self.heldout_ids[:1]
+        reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.pruned.dtype).to(self.device).eval()
+        ids = self.heldout_ids[:1].to(self.device)
         with torch.no_grad():
             d = (reloaded(ids).logits - self.pruned(ids).logits).abs().max().item()
         self.metrics["export_reload_max_abs_diff"] = d

@@ -212,7 +212,7 @@ def teacher_features(model: nn.Module, input_ids: torch.Tensor, groups: list[Rec
     if need_norm:
         handles.append(norm.register_forward_hook(norm_hook))
     try:
-        model(input_ids=input_ids, use_cache=False)
+        model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
     except _Stop:
         pass
     finally:

@@ -147,8 +147,9 @@ class Trainer:
     def _loss(self, batch: list[dict]) -> torch.Tensor:
         losses = []
         for m, ctx, feats in zip(self.modules, self.contexts, batch):
-            pred = m(feats["inputs"].to(pred_dtype(m)), ctx)
-            losses.append(torch.nn.functional.mse_loss(pred.float(), feats["targets"].float()))
+            p = next(m.parameters())
+            pred = m(feats["inputs"].to(p.device, p.dtype), ctx)
+            losses.append(torch.nn.functional.mse_loss(pred.float(), feats["targets"].to(p.device).float()))
         return torch.stack(losses).mean()
 
     @torch.no_grad()
@@ -268,7 +269,3 @@ class Trainer:
 
     def write_log(self, path: Path) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
-
-
-def pred_dtype(module: RecoveryModule) -> torch.dtype:
-    return next(module.parameters()).dtype
