@@ -97,7 +97,6 @@ class Pipeline:
             elif not self.resume:
                 raise OverRepError(f"output folder '{out}' holds an unfinished run; pass --resume to continue it "
                                    "or --overwrite to start over")
-        out.mkdir(parents=True, exist_ok=True)
         if self.resume and (out / "config.yaml").exists():
             saved = RunConfig.load(out / "config.yaml")
             mine = self.cfg.to_dict()
@@ -106,7 +105,6 @@ class Pipeline:
             if diff:
                 raise OverRepError(f"--resume with a different configuration (section '{diff[0]}' differs from "
                                    f"{out / 'config.yaml'})")
-        self.cfg.save(out / "config.yaml")
 
     # ---- stage 1: model, plan, data ------------------------------------------------
     def load(self) -> None:
@@ -114,10 +112,10 @@ class Pipeline:
         if cfg.recovery.threads:
             torch.set_num_threads(cfg.recovery.threads)
         torch.manual_seed(cfg.recovery.seed)
+        self.device = resolve_device(cfg.model.device)
         t0 = time.perf_counter()
         self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=_DTYPES[cfg.model.dtype])
         check_supported(self.dense)
-        self.device = resolve_device(cfg.model.device)
         self.dense.to(self.device)
         self.timings["load_model"] = time.perf_counter() - t0
         self.num_layers = len(decoder_layers(self.dense))
@@ -129,13 +127,17 @@ class Pipeline:
         r = cfg.recovery
         self.plan = plan_pruning(self.num_layers, removed, blocks=r.blocks, block1_init=r.block1_init)
         self.preset = get_preset(r.preset)
-        write_json_atomic(self.out / "plan.json", self.plan.to_dict())
         t0 = time.perf_counter()
         d = cfg.data
         self.train_ids, self.heldout_ids, self.data_info = token_splits(
             d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
             heldout_sequences=d.heldout_sequences, seed=d.seed, text_field=d.text_field)
         self.timings["data"] = time.perf_counter() - t0
+        # The output folder appears only once model, plan and data are known to be good, so a
+        # typo in the command leaves nothing behind.
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.cfg.save(self.out / "config.yaml")
+        write_json_atomic(self.out / "plan.json", self.plan.to_dict())
         self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
 
     # ---- stage 2: prune, baseline evaluation ---------------------------------------
