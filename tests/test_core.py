@@ -61,16 +61,18 @@ def test_merge_matches_overcomplete_and_removes_wrappers(arch, tmp_path):
                                            "norm_reparam": True},
                                           {"w": ["q", "k", "v", "o", "gate", "up", "down"],
                                            "d": ["q", "k", "v", "o", "gate", "up", "down"], "norm_reparam": True}]})
+    ids = tiny_ids()
+    untrained = model(ids).logits
     modules = apply_preset(model, plan, preset, AlphaSchedule(100))
     perturb(modules)
-    ids = tiny_ids()
     modules[0].activation.set_step(100)  # end of schedule: alpha = 0
     before = model(ids).logits
     assert merge_recovery(model) > 0
     assert not has_wrappers(model)
     after = model(ids).logits
     assert (after - before).abs().max().item() < 1e-5
-    assert not torch.equal(after, tiny_model(arch)(ids).logits[..., :])  # the perturbation did something
+    # The check above is only meaningful if W, D and the norms really changed the function.
+    assert (after - untrained).abs().max().item() > 1e-3
 
     # Save -> from_pretrained gives the same logits and the pruned architecture's size.
     out = export_model(model, None, tmp_path / "compact", {"method": "overrep"})
