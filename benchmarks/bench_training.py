@@ -112,33 +112,32 @@ def make_pipeline(args, case: str):
     return p
 
 
-def recovery_step_fn(p, source):
+def recovery_step_fn(p):
     """One recovery step as Trainer.run takes it (same optimiser, lr, alpha, loss, clipping), at step
     indices from the middle of a default-length run."""
     from overrep.config import RunConfig
     from overrep.train import Trainer, lr_factor
 
-    cfg = p.cfg.recovery
+    cfg = p.rcfg
     total = RunConfig().total_steps()  # a notional full run, so alpha sits inside its annealing phase
-    trainer = Trainer(p.modules, p.contexts, source, p.train_ids.shape[0], cfg, total,
-                      Path(p.out) / "checkpoints", progress=False)
+    objective = p.recovery.objective
+    trainer = Trainer(objective, p.train_ids.shape[0], cfg, total, Path(p.out) / "checkpoints", progress=False)
     params = [q for g in trainer.opt.param_groups for q in g["params"]]
-    for m in p.modules:
-        m.train()
+    objective.train(True)
 
     def step(i: int) -> None:
         s = total // 2 + i
-        for m in p.modules:
-            m.activation.set_step(s)
+        for a in objective.activations:
+            a.set_step(s)
         for g in trainer.opt.param_groups:
             g["lr"] = cfg.lr * lr_factor(s, total, cfg.warmup_ratio, cfg.min_lr_ratio)
         trainer.opt.zero_grad(set_to_none=True)
-        loss = trainer._loss(source(trainer.batch_indices(s)))
+        loss = objective.loss(trainer.batch_indices(s))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         trainer.opt.step()
 
-    return step, sum(q.numel() for q in params), p.modules[0].activation
+    return step, sum(q.numel() for q in params), objective.activations[0]
 
 
 def full_backprop_step_fn(p):
@@ -150,7 +149,7 @@ def full_backprop_step_fn(p):
         layer.requires_grad_(True)
     final_norm(model).requires_grad_(True)
     params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(params, lr=p.rcfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     model.train()
     ids, b = p.train_ids, cfg.batch_size
 
@@ -180,9 +179,8 @@ def run_child(args) -> dict:
         p.dense = None  # the pruned model is a deep copy
         step, out["trainable_params"] = full_backprop_step_fn(p)
     else:
-        p.build_recovery()
         t0 = time.perf_counter()
-        source = p.features()
+        p.build_recovery()  # builds (or opens) the feature cache
         if case == "cache_build":
             dt = time.perf_counter() - t0
             n = p.train_ids.shape[0]
@@ -191,7 +189,7 @@ def run_child(args) -> dict:
             return out
         if case != "overrep_live":
             p.dense = None  # training from the cache never touches the teacher
-        step, out["trainable_params"], act = recovery_step_fn(p, source)
+        step, out["trainable_params"], act = recovery_step_fn(p)
     peak_before = peak_rss_mb()  # the reset below also resets what ru_maxrss reports
     hwm_ok = rss_hwm_reset()
     times = []
@@ -202,7 +200,7 @@ def run_child(args) -> dict:
             times.append(time.perf_counter() - t0)
         log(f"{case}: step {i + 1}/{args.warmup + args.steps} {time.perf_counter() - t0:.3f} s"
             + (" (warm-up)" if i < args.warmup else ""))
-    if act is not None and act.enabled and any(b.w or b.d for b in p.preset.blocks):
+    if act is not None and act.enabled and any(b.w or b.d for b in p.recovery.preset.blocks):
         out["alpha"] = act.alpha
     if hwm_ok:
         out["train_peak_rss_mb"] = rss_hwm_mb()

@@ -9,6 +9,8 @@
     overrep export   --output DIR     merge and export a finished training from its checkpoints
     overrep eval     MODEL            lm-eval benchmarks offline (--perplexity: held-out perplexity)
     overrep presets                   list the built-in presets
+    overrep methods                   list the recovery methods and pruning criteria
+    overrep compare  --config FILE    a grid of methods x criteria x ratios, one table and plots
 
 Errors print one line (``overrep: error: ...``) and exit with status 2.
 """
@@ -29,6 +31,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--ratio", type=float, help="fraction of parameters to remove (rounded to whole blocks)")
     g.add_argument("--remove", help="explicit blocks to remove, e.g. 21-28 or 3,5,7-9")
+    p.add_argument("--method", help="recovery method (see `overrep methods`; default overrep)")
+    p.add_argument("--criterion", help="pruning criterion: last | block-influence | cosine | laco")
     p.add_argument("--preset", help="recovery preset name or .yaml file")
     p.add_argument("--output", help="output folder")
     p.add_argument("--max-steps", type=int, help="recovery optimiser steps")
@@ -44,7 +48,8 @@ def _config(args):
 
     overrides = list(args.set)
     for flag, key in (("model", "model.source"), ("preset", "recovery.preset"), ("output", "output"),
-                      ("max_steps", "recovery.steps")):
+                      ("max_steps", "recovery.steps"), ("method", "recovery.method"),
+                      ("criterion", "prune.criterion")):
         if getattr(args, flag, None) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
     if getattr(args, "ratio", None) is not None:
@@ -69,20 +74,24 @@ def cmd_run(args, *, evaluate: bool = True) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .accounting import blocks_for_ratio, recovery_account
-    from .criteria import get_criterion
-    from .models import load_model
-    from .surgery import parse_layers
+    from .accounting import recovery_account
+    from .pipeline import Pipeline
 
     cfg = _config(args)
-    model, _, info = load_model(cfg.model.source)
-    if cfg.prune.remove is not None:
-        removed = parse_layers(str(cfg.prune.remove))
-    else:
-        removed = get_criterion(cfg.prune.criterion)(model, blocks_for_ratio(model, cfg.prune.ratio))
-    acc = recovery_account(model.config, removed, cfg.recovery.preset, blocks=cfg.recovery.blocks,
-                           block1_init=cfg.recovery.block1_init)
-    acc.update(model=info["source"], total_steps=cfg.total_steps())
+    p = Pipeline(cfg, progress=not args.quiet)
+    p.load(create_output=False)
+    r = cfg.recovery
+    preset = p.method.preset or r.preset
+    acc = recovery_account(p.dense.config, p.selection.removed, preset, blocks=p.method.blocks or r.blocks,
+                           block1_init=r.block1_init)
+    acc.update(model=p.model_info["source"], method=p.method.name, criterion=cfg.prune.criterion,
+               criterion_scores=p.selection.scores, total_steps=p.total_steps)
+    if p.method.family in ("adapter", "full"):  # what trains is not the recovery module
+        p.prune()
+        p.build_recovery(with_data=False)
+        acc["trainable_params"] = p.recovery.trainable_params
+        acc["recovery_ratio"] = acc["trainable_params"] / acc["compact_params"]
+        acc.pop("train_state_bytes", None)
     print(json.dumps(acc, indent=2))
     return 0
 
@@ -128,13 +137,13 @@ def cmd_export(args) -> int:
     p.prepare_output()
     p.load()
     p.prune()
-    p.build_recovery()
-    trainer = p.make_trainer(source=None)
+    p.build_recovery(with_data=False)
+    trainer = p.make_trainer()
     if trainer.step < trainer.total:
         raise OverRepError(f"training in '{out}' stopped at step {trainer.step} of {trainer.total}; "
                            "finish it with `overrep recover --resume` first")
-    for m in p.modules:
-        m.activation.set_step(trainer.total)
+    for a in p.recovery.objective.activations:
+        a.set_step(trainer.total)
     p.merge()
     print(p.export())
     return 0
@@ -163,6 +172,33 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from .compare import Compare, CompareConfig
+
+    split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
+    cfg = CompareConfig.load(args.config, {"output": args.output, "methods": split(args.methods),
+                                           "criteria": split(args.criteria), "ratios": split(args.ratios),
+                                           "budgets": split(args.budgets)})
+    results = Compare(cfg, progress=not args.quiet).run()
+    failed = [r for r in results["rows"] if r.get("status") != "ok"]
+    print(f"{len(results['rows']) - len(failed)} cells ok, {len(failed)} failed")
+    print(f"table: {cfg.output}/results.md   numbers: {cfg.output}/results.json")
+    return 1 if failed else 0
+
+
+def cmd_methods(args) -> int:
+    from .criteria import CRITERIA
+    from .methods import METHODS
+
+    print("recovery methods (recovery.method):")
+    for name, m in METHODS.items():
+        print(f"  {name:12s} {m.description} [lr {m.default_lr:g}]")
+    print("pruning criteria (prune.criterion):")
+    for name, c in CRITERIA.items():
+        print(f"  {name:16s} {(c.__doc__ or '').strip().splitlines()[0]}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="overrep", description="Prune decoder blocks and recover with OverRep.")
     sub = parser.add_subparsers(dest="command", required=False)
@@ -187,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(ev)
     sub.add_parser("presets", help="list the built-in presets")
+    sub.add_parser("methods", help="list the recovery methods and pruning criteria")
+    c = sub.add_parser("compare", help="a grid of recovery methods x pruning criteria x ratios: table and plots")
+    c.add_argument("--config", help="compare YAML (base run config, methods, criteria, ratios, budgets, ...)")
+    c.add_argument("--output", help="grid output folder")
+    c.add_argument("--methods", help="comma-separated, overrides the file (see `overrep methods`)")
+    c.add_argument("--criteria", help="comma-separated pruning criteria, overrides the file")
+    c.add_argument("--ratios", help="comma-separated pruning ratios, overrides the file")
+    c.add_argument("--budgets", help="epochs and/or wallclock, overrides the file")
+    c.add_argument("--quiet", action="store_true")
     return parser
 
 
@@ -200,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(["run", *(argv or sys.argv[1:])])
     handlers = {"run": cmd_run, "inspect": cmd_inspect, "prune": cmd_prune, "cache": cmd_cache,
                 "recover": lambda a: cmd_run(a, evaluate=False), "export": cmd_export, "eval": cmd_eval,
-                "presets": cmd_presets}
+                "presets": cmd_presets, "methods": cmd_methods,
+                "compare": cmd_compare}
     try:
         return handlers[command](args)
     except OverRepError as e:

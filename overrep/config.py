@@ -32,19 +32,21 @@ class ModelConfig:
 class PruneConfig:
     ratio: float | None = 0.25  # fraction of the model's parameters to remove, rounded to whole blocks
     remove: str | None = None  # explicit block indices instead of a ratio, e.g. "21-28" or "3,5,7-9"
-    criterion: str = "last"  # which blocks a ratio removes: "last" = the last blocks but the final one (the paper's)
+    criterion: str = "last"  # which blocks a ratio removes: last | block-influence | cosine | laco (see `overrep criteria`)
+    calibration_sequences: int = 32  # training sequences the data-driven criteria score blocks on
 
 
 @dataclass
 class RecoveryConfig:
-    preset: str = "hybrid"  # built-in preset name (see `overrep presets`) or a preset .yaml file
+    method: str = "overrep"  # overrep | plain | streamline | lora | adalora | lora-iso | full-ft | logit-kd | overrep-kd
+    preset: str = "hybrid"  # overrep / overrep-kd: built-in preset name (see `overrep presets`) or a preset .yaml file
     blocks: int = 2  # recovery blocks per removed segment (block before it + blocks after it)
     block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when steps is not set)
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
-    lr: float = 1e-3  # peak learning rate (AdamW); chosen by measurement on the default run (README)
+    lr: float | None = None  # peak learning rate (AdamW); None = the method's default (overrep: 1e-3, chosen by measurement)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_ratio: float = 0.01  # linear learning-rate warm-up, fraction of steps
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
@@ -53,6 +55,10 @@ class RecoveryConfig:
     alpha_warmup_ratio: float = 0.01  # annealed activation: rho_w
     alpha_linear_ratio: float = 0.2  # annealed activation: rho_l (final linear phase)
     seed: int = 0  # initialisation / batch-order seed
+    lora_rank: int = 16  # lora / adalora: rank r (adalora starts at 2r and allocates down to an average of r)
+    lora_alpha: float = 32.0  # lora / adalora: scaling alpha (lora-iso keeps alpha / r)
+    lora_dropout: float = 0.05  # lora / adalora: dropout on the adapter input
+    kd_tau: float = 1.0  # logit-kd / overrep-kd: distillation temperature
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
     eval_every: int = 50  # steps between validation-loss measurements
     threads: int | None = None  # torch CPU threads (None = torch's default)
@@ -142,8 +148,16 @@ class RunConfig:
                         ("checkpoint_every", r.checkpoint_every), ("eval_every", r.eval_every)):
             if v < 1:
                 raise OverRepError(f"recovery.{name} must be >= 1, got {v}")
-        if r.lr <= 0:
+        if r.lr is not None and r.lr <= 0:
             raise OverRepError(f"recovery.lr must be > 0, got {r.lr}")
+        from .methods import METHODS
+
+        if r.method not in METHODS:
+            raise OverRepError(f"unknown recovery.method '{r.method}'; available: {', '.join(METHODS)}")
+        if r.lora_rank < 1 or r.kd_tau <= 0:
+            raise OverRepError("recovery.lora_rank must be >= 1 and recovery.kd_tau > 0")
+        if p.calibration_sequences < 1:
+            raise OverRepError("prune.calibration_sequences must be >= 1")
         if d.seq_len < 8 or d.train_sequences < 1 or d.heldout_sequences < 1:
             raise OverRepError("data.seq_len must be >= 8 and train/heldout sequences >= 1")
         if c.mode not in ("disk", "live"):
@@ -184,6 +198,8 @@ def _build(cls, data: dict, where: str):
     for name, value in data.items():
         f = fields[name]
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if default is None and "float" in str(f.type):  # optional float: coerce like a float
+            default = 0.0
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build(type(default), value, f"{where}{name}.")
         else:

@@ -15,10 +15,12 @@ stage on its own (``overrep cache``, ``overrep recover`` ...) or all of them
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
 import platform
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -30,15 +32,14 @@ from .accounting import blocks_for_ratio, counted_parameters
 from .arch import check_supported, decoder_layers
 from .cache import build_or_open
 from .config import RunConfig, default_cache_root
-from .criteria import get_criterion
+from .criteria import NEEDS_CALIBRATION, get_criterion
 from .data import token_splits
 from .errors import OverRepError
 from .evaluate import generation_latency, perplexity
 from .export import export_model, write_json_atomic
+from .methods import build_recovery, get_method
 from .models import load_model
-from .presets import get_preset
-from .recovery import (apply_preset, capture_layer_context, count_parameters, merge_recovery, module_context,
-                       teacher_features)
+from .recovery import count_parameters, teacher_features
 from .surgery import parse_layers, plan_pruning, prune
 from .train import Trainer
 
@@ -74,6 +75,13 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: GPU memory on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
 class Pipeline:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True):
         self.cfg, self.resume, self.overwrite, self.progress = cfg, resume, overwrite, progress
@@ -107,7 +115,7 @@ class Pipeline:
                                    f"{out / 'config.yaml'})")
 
     # ---- stage 1: model, plan, data ------------------------------------------------
-    def load(self) -> None:
+    def load(self, create_output: bool = True) -> None:
         cfg = self.cfg
         if cfg.recovery.threads:
             torch.set_num_threads(cfg.recovery.threads)
@@ -119,34 +127,60 @@ class Pipeline:
         self.dense.to(self.device)
         self.timings["load_model"] = time.perf_counter() - t0
         self.num_layers = len(decoder_layers(self.dense))
-        if cfg.prune.remove is not None:
-            removed = parse_layers(str(cfg.prune.remove))
-        else:
-            n = blocks_for_ratio(self.dense, cfg.prune.ratio)
-            removed = get_criterion(cfg.prune.criterion)(self.dense, n)
-        r = cfg.recovery
-        self.plan = plan_pruning(self.num_layers, removed, blocks=r.blocks, block1_init=r.block1_init)
-        self.preset = get_preset(r.preset)
         t0 = time.perf_counter()
         d = cfg.data
         self.train_ids, self.heldout_ids, self.data_info = token_splits(
             d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
             heldout_sequences=d.heldout_sequences, seed=d.seed, text_field=d.text_field)
         self.timings["data"] = time.perf_counter() - t0
+        self.select_blocks()
+        r = cfg.recovery
+        self.method = get_method(r.method)
+        self.plan = plan_pruning(self.num_layers, self.selection.removed, blocks=self.method.blocks or r.blocks,
+                                 block1_init=r.block1_init)
+        for g in self.plan.groups:  # a block a criterion already rewrote (LaCo) keeps its weights
+            for target in [t for t in g.stitch if t in self.selection.replaced]:
+                del g.stitch[target]
+        self.rcfg = dataclasses.replace(r, lr=r.lr if r.lr is not None else self.method.default_lr)
+        self.total_steps = cfg.total_steps()
+        self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
+        if not create_output:
+            return
         # The output folder appears only once model, plan and data are known to be good, so a
         # typo in the command leaves nothing behind.
         self.out.mkdir(parents=True, exist_ok=True)
         self.cfg.save(self.out / "config.yaml")
         write_json_atomic(self.out / "plan.json", self.plan.to_dict())
-        self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
+
+    def select_blocks(self) -> None:
+        """The blocks to remove: explicit (``prune.remove``) or chosen by ``prune.criterion``."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if cfg.prune.remove is not None:
+            from .criteria import Selection
+
+            self.selection = Selection(parse_layers(str(cfg.prune.remove)))
+        else:
+            n = blocks_for_ratio(self.dense, cfg.prune.ratio)
+            calibration = None
+            if cfg.prune.criterion in NEEDS_CALIBRATION:
+                calibration = self.train_ids[:cfg.prune.calibration_sequences].to(self.device)
+            self.selection = get_criterion(cfg.prune.criterion)(self.dense, n, calibration)
+        self.timings["criterion"] = time.perf_counter() - t0
 
     # ---- stage 2: prune, baseline evaluation ---------------------------------------
     def prune(self) -> None:
-        self.pruned = prune(copy.deepcopy(self.dense), self.plan)
+        model = copy.deepcopy(self.dense)
+        layers = decoder_layers(model)
+        for index, state in self.selection.replaced.items():  # e.g. LaCo's collapsed blocks
+            layers[index].load_state_dict(state)
+        self.pruned = prune(model, self.plan)
         dense_params, compact_params = count_parameters(self.dense), count_parameters(self.pruned)
         counted, _ = counted_parameters(self.dense)
         self.metrics.update({
             "removed_layers": self.plan.removed,
+            "criterion": self.cfg.prune.criterion if self.cfg.prune.remove is None else "explicit",
+            "criterion_scores": self.selection.scores,
             "num_layers_before": self.num_layers,
             "num_layers_after": self.num_layers - len(self.plan.removed),
             "layer_fraction_removed": len(self.plan.removed) / self.num_layers,
@@ -183,20 +217,31 @@ class Pipeline:
         self.metrics[f"{tag}_params"] = count_parameters(model)
         self.timings[f"eval_{tag}"] = time.perf_counter() - t0
 
-    # ---- stage 3: recovery module and its data -------------------------------------
-    def build_recovery(self) -> None:
-        self.modules = apply_preset(self.pruned, self.plan, self.preset)
-        full_ctx = capture_layer_context(self.pruned, self.cfg.data.seq_len)
-        self.contexts = [module_context(full_ctx, m) for m in self.modules]
-        self.metrics["trainable_params"] = sum(count_parameters(m, trainable_only=True) for m in self.modules)
+    # ---- stage 3: the recovery method and its data -------------------------------
+    def build_recovery(self, with_data: bool = True) -> None:
+        """Set up ``recovery.method`` on the pruned model (``with_data=False``: no feature
+        cache, for re-exporting from checkpoints)."""
+        self.recovery = build_recovery(self, self.method, with_data=with_data)
+        self.metrics["method"] = self.method.name
+        self.metrics["objective"] = self.method.objective
+        self.metrics["trainable_params"] = self.recovery.trainable_params
         self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
+        self.metrics["lr"] = self.rcfg.lr
 
-    def _teacher(self, ids: torch.Tensor) -> list[dict]:
-        """Teacher features for ``ids`` in batches of ``TEACHER_BATCH`` rows."""
+    def teacher_batch(self, ids: torch.Tensor) -> list[dict]:
+        """Dense-model features of ``ids`` for every recovery group, ``TEACHER_BATCH`` rows at a time."""
         parts = [teacher_features(self.dense, ids[i:i + TEACHER_BATCH], self.plan.groups)
                  for i in range(0, ids.shape[0], TEACHER_BATCH)]
         return [{k: torch.cat([p[g][k] for p in parts]) for k in ("inputs", "targets")}
                 for g in range(len(self.plan.groups))]
+
+    def overrep_trainable_params(self) -> int:
+        """What OverRep (``recovery.preset``, ``recovery.blocks``) would train on this plan."""
+        from .accounting import recovery_account
+
+        r = self.cfg.recovery
+        return recovery_account(self.dense.config, self.plan.removed, r.preset, blocks=r.blocks,
+                                block1_init=r.block1_init)["trainable_params"]
 
     def cache_fingerprint(self) -> dict:
         return {"model": self.model_fp, "plan": self.plan.to_dict(), "data": self.data_info.get("train_fingerprint"),
@@ -213,7 +258,7 @@ class Pipeline:
         names = tuple(f"{k}_{g}" for g in range(len(groups)) for k in ("inputs", "targets"))
 
         def produce(rows: range) -> dict:
-            feats = self._teacher(self.train_ids[rows.start:rows.stop])
+            feats = self.teacher_batch(self.train_ids[rows.start:rows.stop])
             return {f"{k}_{g}": f[k] for g, f in enumerate(feats) for k in ("inputs", "targets")}
 
         t0 = time.perf_counter()
@@ -230,20 +275,19 @@ class Pipeline:
         return source
 
     # ---- stage 4: training ---------------------------------------------------------
-    def make_trainer(self, source) -> Trainer:
+    def make_trainer(self) -> Trainer:
         cfg = self.cfg
-        self.val_probe = self._teacher(self.heldout_ids[:16])
         fingerprint = _digest({"cfg": {k: v for k, v in cfg.to_dict().items() if k != "output"},
                                "model": self.model_fp})
-        self.trainer = Trainer(self.modules, self.contexts, source, self.train_ids.shape[0], cfg.recovery,
-                               cfg.total_steps(), self.out / "checkpoints", val_batch=self.val_probe,
+        self.trainer = Trainer(self.recovery.objective, self.train_ids.shape[0], self.rcfg, self.total_steps,
+                               self.out / "checkpoints", tokens_per_sample=cfg.data.seq_len,
                                fingerprint=fingerprint, progress=self.progress)
         if self.resume:
             self.trainer.resume()
         return self.trainer
 
-    def train(self, source) -> None:
-        result = self.make_trainer(source).run()
+    def train(self) -> None:
+        result = self.make_trainer().run()
         self.trainer.write_log(self.out / "train_log.jsonl")
         self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds,
                              "train_tokens": result.tokens, "train_tokens_per_second": result.tokens_per_second,
@@ -252,19 +296,9 @@ class Pipeline:
                                                      if h.get("val_loss") is not None), None)})
         self.history = result.history
 
-    # ---- stage 5: merge and check --------------------------------------------------
-    @torch.no_grad()
+    # ---- stage 5: fold back into the compact model and check -----------------------
     def merge(self) -> None:
-        probe = [{k: v[:4] for k, v in f.items()} for f in self.val_probe]
-        before = [m(f["inputs"], c) for m, f, c in zip(self.modules, probe, self.contexts)]
-        self.metrics["merged_wrappers"] = merge_recovery(self.pruned)
-        after = [m(f["inputs"], c) for m, f, c in zip(self.modules, probe, self.contexts)]
-        diff = max((a - b).abs().max().item() for a, b in zip(after, before))
-        scale = max(b.abs().max().item() for b in before)
-        self.metrics["merge_max_abs_diff"] = diff
-        self.metrics["merge_max_rel_diff"] = diff / scale if scale else 0.0
-        if not diff < 1e-3 * max(1.0, scale):
-            raise OverRepError(f"merge check failed: merged module differs by {diff:.3g} (output scale {scale:.3g})")
+        self.metrics.update(self.recovery.finish())
 
     # ---- stage 6: export -----------------------------------------------------------
     def export(self) -> Path:
@@ -275,8 +309,8 @@ class Pipeline:
             "source_model": self.model_info,
             "removed_layers": self.plan.removed,
             "plan": self.plan.to_dict(),
-            "method": "overrep",
-            "preset": self.preset.to_dict(),
+            "method": self.method.name,
+            "recovery": self.recovery.describe(),
             "merge_max_abs_diff": self.metrics.get("merge_max_abs_diff"),
             "training": {k: self.metrics.get(k) for k in ("train_steps", "train_seconds", "train_tokens",
                                                           "final_train_loss", "final_val_loss")},
@@ -308,13 +342,13 @@ class Pipeline:
         self.evaluate_model(self.dense, "dense")
         self.evaluate_model(self.pruned, "pruned")
         self.build_recovery()
-        source = self.features()
-        self.train(source)
+        self.train()
         self.merge()
         self.evaluate_model(self.pruned, "recovered")
         self.export()
         self.metrics.update({
-            "method": "overrep", "preset": self.preset.name, "model": self.model_info["source"],
+            "preset": getattr(self.recovery, "preset", None) and self.recovery.preset.name,
+            "model": self.model_info["source"], "peak_memory_bytes": peak_memory_bytes(self.device),
             "data": {k: v for k, v in self.data_info.items() if not isinstance(v, (list, dict))},
             "timings_seconds": self.timings, "total_seconds": time.perf_counter() - t_start,
             "environment": {"overrep": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),

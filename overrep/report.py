@@ -10,16 +10,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_training(history: list[dict], path: Path) -> None:
+LOSS_NAMES = {"mse": "layer-wise MSE", "lm": "cross-entropy", "kd": "KL to dense logits"}
+
+
+def plot_training(history: list[dict], path: Path, loss: str = "layer-wise MSE") -> None:
     """Training loss, validation loss and alpha against the step, one figure."""
     steps = [h["step"] for h in history]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    ax1.plot(steps, [h["loss"] for h in history], lw=0.8, alpha=0.6, label="train MSE")
+    ax1.plot(steps, [h["loss"] for h in history], lw=0.8, alpha=0.6, label=f"train {loss}")
     val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
     if val:
-        ax1.plot(*zip(*val), "o-", ms=3, label="held-out MSE")
+        ax1.plot(*zip(*val), "o-", ms=3, label=f"held-out {loss}")
     ax1.set_yscale("log")
-    ax1.set_ylabel("layer-wise MSE")
+    ax1.set_ylabel(loss)
     ax1.legend()
     ax1.grid(alpha=0.3)
     ax2.plot(steps, [h["alpha"] for h in history], color="tab:red", label="alpha (annealed activation)")
@@ -47,13 +50,14 @@ def _fmt(v, digits=4):
 def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
     plots = out / "plots"
     plots.mkdir(exist_ok=True)
+    loss = LOSS_NAMES.get(m.get("objective"), "loss")
     if history:
-        plot_training(history, plots / "training.png")
+        plot_training(history, plots / "training.png", loss)
     rows = [("dense", m.get("dense_ppl"), m.get("dense_params"), m.get("num_layers_before"),
              m.get("dense_latency_s_per_token")),
             ("pruned, no recovery", m.get("pruned_ppl"), m.get("pruned_params"), m.get("num_layers_after"),
              m.get("pruned_latency_s_per_token")),
-            (f"recovered ({m.get('preset')})", m.get("recovered_ppl"), m.get("recovered_params"),
+            (f"recovered ({m.get('method')}{', ' + m['preset'] if m.get('preset') else ''})", m.get("recovered_ppl"), m.get("recovered_params"),
              m.get("num_layers_after"), m.get("recovered_latency_s_per_token"))]
     lines = [
         "# overrep run report", "",
@@ -69,14 +73,17 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         f"Held-out text: {cfg.data.heldout_sequences} sequences of {cfg.data.seq_len} tokens from "
         f"`{cfg.data.source}`, disjoint from the training documents.", "",
         "## Recovery", "",
-        f"- preset `{m.get('preset')}`, {_fmt(m.get('trainable_params'))} trainable parameters "
+        f"- method `{m.get('method')}`" + (f", preset `{m['preset']}`" if m.get("preset") else "")
+        + f", learning rate {_fmt(m.get('lr'), 3)}, {_fmt(m.get('trainable_params'))} trainable parameters "
         f"(recovery ratio {100 * m.get('recovery_ratio', 0):.1f}% of the compact model)",
         f"- {m.get('train_steps')} steps, {_fmt(m.get('train_seconds'), 3)} s, "
         f"{_fmt(m.get('train_tokens_per_second'), 4)} tokens/s",
-        f"- final training MSE {_fmt(m.get('final_train_loss'))}, held-out MSE {_fmt(m.get('final_val_loss'))}",
-        f"- merge: {m.get('merged_wrappers')} projections folded, max abs difference "
-        f"{_fmt(m.get('merge_max_abs_diff'), 3)} (relative {_fmt(m.get('merge_max_rel_diff'), 3)}); "
-        f"exported model reloads with max logit difference {_fmt(m.get('export_reload_max_abs_diff'), 3)}",
+        f"- final training {loss} {_fmt(m.get('final_train_loss'))}, held-out {_fmt(m.get('final_val_loss'))}",
+        (f"- fold: {m.get('merged_wrappers') or 'adapter'} modules folded, max abs difference "
+         f"{_fmt(m.get('merge_max_abs_diff'), 3)} (relative {_fmt(m.get('merge_max_rel_diff'), 3)}); "
+         if m.get("merge_max_abs_diff") is not None else "- nothing to fold (the compact model's own weights "
+         "trained); ")
+        + f"exported model reloads with max logit difference {_fmt(m.get('export_reload_max_abs_diff'), 3)}",
         "", "![training](plots/training.png)", "",
     ]
     if m.get("benchmarks"):

@@ -14,48 +14,10 @@ from overrep.cli import main
 from overrep.config import RunConfig
 from overrep.errors import OverRepError
 from overrep.pipeline import Pipeline
+from overrep.objectives import LayerwiseMSE
 from overrep.train import Trainer
 
-from tiny import make_tiny_model_dir
-
-WORDS = ("alpha beta gamma delta river mountain city music science history language animal planet "
-         "ocean forest energy system theory").split()
-
-
-def corpus(n_docs: int = 300) -> list[str]:
-    g = torch.Generator().manual_seed(0)
-    docs = []
-    for d in range(n_docs):
-        idx = torch.randint(0, len(WORDS), (40,), generator=g).tolist()
-        docs.append(f"Document {d}. " + " ".join(WORDS[i] for i in idx) + ".")
-    return docs
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    docs = corpus()
-    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    make_tiny_model_dir(root / "tiny-llama", docs)
-    return root
-
-
-def tiny_cfg(assets: Path, out: Path, **over) -> RunConfig:
-    base = {
-        "model": {"source": str(assets / "tiny-llama")},
-        "prune": {"remove": "3-4"},
-        "recovery": {"steps": 8, "batch_size": 4, "checkpoint_every": 2, "eval_every": 4, "lr": 1e-3},
-        "data": {"source": str(assets / "corpus.jsonl"), "seq_len": 32, "train_sequences": 24,
-                 "heldout_sequences": 4},
-        "cache": {"dir": str(out.parent / "cache")},
-        "eval": {"latency_tokens": 4},
-        "output": str(out),
-    }
-    for key, value in over.items():
-        section, field = key.split("__")
-        base[section][field] = value
-    return RunConfig.load(overrides=base)
-
+from tiny import tiny_cfg
 
 def test_run_end_to_end(assets, tmp_path):
     out = tmp_path / "run"
@@ -122,13 +84,15 @@ def test_live_teacher_trains_like_the_cache(assets, tmp_path):
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(assets, tmp_path, monkeypatch):
-    original = Trainer._loss
+    original = LayerwiseMSE.loss
+    calls = []
 
-    def nan_at_step_3(self, batch):
-        loss = original(self, batch)
-        return loss * float("nan") if self.step == 3 else loss
+    def nan_at_step_3(self, idx):  # one call per step (no accumulation): the 4th call is step 3
+        calls.append(idx)
+        loss = original(self, idx)
+        return loss * float("nan") if len(calls) == 4 else loss
 
-    monkeypatch.setattr(Trainer, "_loss", nan_at_step_3)
+    monkeypatch.setattr(LayerwiseMSE, "loss", nan_at_step_3)
     out = tmp_path / "nan"
     with pytest.raises(OverRepError, match="loss became nan at step 3.*step-000002.pt"):
         Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False), progress=False).run()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
                           Qwen3Config, Qwen3MoeConfig)
@@ -73,3 +76,44 @@ def make_tiny_model_dir(path, texts: list[str], arch: str = "llama", seed: int =
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+WORDS = ("alpha beta gamma delta river mountain city music science history language animal planet "
+         "ocean forest energy system theory").split()
+
+
+def corpus(n_docs: int = 300) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    docs = []
+    for d in range(n_docs):
+        idx = torch.randint(0, len(WORDS), (40,), generator=g).tolist()
+        docs.append(f"Document {d}. " + " ".join(WORDS[i] for i in idx) + ".")
+    return docs
+
+
+def make_assets(root):
+    """A corpus file and a tiny llama folder (with a trained tokenizer) under ``root``."""
+    docs = corpus()
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    make_tiny_model_dir(root / "tiny-llama", docs)
+    return root
+
+
+def tiny_cfg(assets: Path, out: Path, **over):
+    """A run configuration for the tiny assets; ``section__field=value`` overrides."""
+    from overrep.config import RunConfig
+
+    base = {
+        "model": {"source": str(assets / "tiny-llama")},
+        "prune": {"remove": "3-4"},
+        "recovery": {"steps": 8, "batch_size": 4, "checkpoint_every": 2, "eval_every": 4, "lr": 1e-3},
+        "data": {"source": str(assets / "corpus.jsonl"), "seq_len": 32, "train_sequences": 24,
+                 "heldout_sequences": 4},
+        "cache": {"dir": str(out.parent / "cache")},
+        "eval": {"latency_tokens": 4},
+        "output": str(out),
+    }
+    for key, value in over.items():
+        section, field = key.split("__")
+        base[section][field] = value
+    return RunConfig.load(overrides=base)

@@ -1,0 +1,99 @@
+"""``overrep compare`` on the tiny model: cells, matched budgets, caching, extension, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from overrep.cli import main
+from overrep.compare import Compare, CompareConfig
+from overrep.errors import OverRepError
+
+
+def grid_file(assets, tmp_path, **over) -> str:
+    spec = {
+        "base": {"model": {"source": str(assets / "tiny-llama")},
+                 "recovery": {"epochs": 1, "batch_size": 4, "lora_rank": 4, "checkpoint_every": 100},
+                 "data": {"source": str(assets / "corpus.jsonl"), "seq_len": 32, "train_sequences": 16,
+                          "heldout_sequences": 4}},
+        "methods": ["overrep", "lora"],
+        "criteria": ["last"],
+        "ratios": [0.3],
+        "budgets": ["epochs", "wallclock"],
+        "output": str(tmp_path / "grid"),
+        **over,
+    }
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def test_grid_runs_caches_and_extends(assets, tmp_path, capsys):
+    config = grid_file(assets, tmp_path)
+    assert main(["compare", "--config", config, "--quiet"]) == 0
+    out = tmp_path / "grid"
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["method"], r["budget"]): r for r in results["rows"]}
+    assert set(rows) == {("overrep", "epochs"), ("lora", "epochs"), ("lora", "wallclock")}
+    assert all(r["status"] == "ok" for r in rows.values())
+    ref, lora = rows[("overrep", "epochs")], rows[("lora", "epochs")]
+    assert ref["steps"] == lora["steps"] == 4  # matched epochs: 16 sequences / batch 4
+    # matched wall-clock: the reference's features + training time over lora's seconds per step
+    budget = ref["train_seconds"] + ref["feature_seconds"]
+    expected = max(1, int(budget // (lora["train_seconds"] / lora["steps"])))
+    assert rows[("lora", "wallclock")]["steps"] == expected
+    assert ref["removed_layers"] == lora["removed_layers"]  # same pruned model
+    assert lora["trainable_params"] < ref["trainable_params"]
+    assert all(r["peak_memory_bytes"] > 0 and r["ppl"] > 0 for r in rows.values())
+    text = (out / "results.md").read_text()
+    assert "matched epochs" in text and "matched wall-clock" in text and "| lora |" in text
+    assert (out / "plots" / "perplexity.png").stat().st_size > 0
+    assert (out / "plots" / "perplexity_vs_time.png").stat().st_size > 0
+    cells = sorted((out / "cells").glob("*/metrics.json"))
+    stamps = {c: c.stat().st_mtime_ns for c in cells}
+
+    # extending the grid runs only the new cells
+    assert main(["compare", "--config", config, "--methods", "overrep,lora,plain", "--quiet"]) == 0
+    for c, t in stamps.items():
+        assert c.stat().st_mtime_ns == t, f"{c} was recomputed"
+    results = json.loads((out / "results.json").read_text())
+    assert {(r["method"], r["budget"]) for r in results["rows"]} == {
+        ("overrep", "epochs"), ("lora", "epochs"), ("lora", "wallclock"), ("plain", "epochs"),
+        ("plain", "wallclock")}
+
+
+def test_failed_cell_is_reported_and_the_grid_goes_on(assets, tmp_path):
+    config = grid_file(assets, tmp_path, methods=["overrep", "full-ft"], budgets=["epochs"],
+                       base={"model": {"source": str(assets / "tiny-llama")},
+                             "recovery": {"epochs": 1, "batch_size": 4, "lr": 1e9},
+                             "data": {"source": str(assets / "corpus.jsonl"), "seq_len": 32,
+                                      "train_sequences": 16, "heldout_sequences": 4}})
+    assert main(["compare", "--config", config, "--quiet"]) == 1
+    rows = json.loads((tmp_path / "grid" / "results.json").read_text())["rows"]
+    failed = [r for r in rows if r["status"] != "ok"]
+    assert failed and all(r["status"].startswith("failed: overrep: error:") for r in failed)
+
+
+@pytest.mark.parametrize("over, msg", [
+    ({"methods": ["lroa"]}, "unknown method 'lroa'"),
+    ({"criteria": ["random"]}, "unknown criterion 'random'"),
+    ({"ratios": [1.5]}, "between 0 and 1"),
+    ({"budgets": ["tokens"]}, "unknown budget 'tokens'"),
+    ({"methods": ["lora"], "budgets": ["wallclock"]}, "add 'overrep' to methods"),
+    ({"colour": "red"}, "unknown compare field 'colour'"),
+    ({"base": {"recovery": {"lr": -1}}}, "recovery.lr must be > 0"),
+])
+def test_bad_grids_fail_before_any_work(assets, tmp_path, over, msg):
+    with pytest.raises(OverRepError, match=msg):
+        CompareConfig.load(grid_file(assets, tmp_path, **over))
+    assert not (tmp_path / "grid").exists()
+
+
+def test_wallclock_implies_the_epoch_cells(assets, tmp_path):
+    cfg = CompareConfig.load(grid_file(assets, tmp_path, budgets=["wallclock"]))
+    assert cfg.budgets == ["epochs", "wallclock"]
+    cells = Compare(cfg).epoch_cells("last", 0.3)
+    assert [c.method for c in cells] == ["overrep", "lora"]  # the reference first
+    assert len({c.dir for c in cells}) == 2
