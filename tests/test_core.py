@@ -175,6 +175,11 @@ def test_plan_layouts():
     p = plan_pruning(8, [0, 1])  # nothing before the run
     assert p.groups[0].module_layers == [2, 3] and p.groups[0].stitch == {}
     assert parse_layers("3,5,7-9") == [3, 5, 7, 8, 9]
+    # one replacement block (Streamline): block 17 learns the whole run, up to block 28's output
+    (g,) = plan_pruning(30, parse_layers("18-28"), blocks=1).groups
+    assert g.module_layers == [17] and g.target_layer == 28 and not g.final_norm
+    (g,) = plan_pruning(30, parse_layers("18-29"), blocks=1).groups
+    assert g.module_layers == [17] and g.target_layer == 29 and g.final_norm
 
 
 @pytest.mark.parametrize("bad,msg", [([], "empty"), ([6], "out of range"), (list(range(6)), "leaves no block"),
