@@ -7,6 +7,8 @@ from what training does, and a 70B config costs nothing to inspect.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -19,8 +21,8 @@ _ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32
 
 
 def meta_model(config: PretrainedConfig | str):
-    if isinstance(config, str):
-        config = AutoConfig.from_pretrained(config)
+    """A weightless model of ``config`` (a copy: pruning the result never touches the caller's)."""
+    config = AutoConfig.from_pretrained(config) if isinstance(config, str) else copy.deepcopy(config)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 

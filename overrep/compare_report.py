@@ -61,7 +61,7 @@ def markdown(results: dict) -> str:
         lines += [f"## {criterion}, ratio {ratio:g}, {what}", "",
                   f"Removed blocks: {removed}. Pruned without recovery: perplexity "
                   f"{fmt_ppl(ok[0]['pruned_ppl']) if ok else '–'}"
-                  + (f", reasoning RP {results['pruned'].get(f'{criterion}-{ratio:g}', {}).get('rp', {}).get('reasoning', 0):.1f}"
+                  + (f", reasoning RP {_rp(results['pruned'][f'{criterion}-{ratio:g}'])}"
                      if results.get("pruned", {}).get(f"{criterion}-{ratio:g}") else "") + ".", "",
                   "| method | held-out ppl | RP (reasoning) | trainable params | RR | steps | epochs | train s "
                   "| features s | recovery s | peak mem GB |",

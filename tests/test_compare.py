@@ -64,6 +64,22 @@ def test_grid_runs_caches_and_extends(assets, tmp_path, capsys):
         ("plain", "wallclock")}
 
 
+def test_benchmark_rp_is_collected_for_every_cell(assets, tmp_path):
+    """RP through the evaluation command: dense once, the pruned model, each recovered cell."""
+    config = grid_file(assets, tmp_path, methods=["overrep"], budgets=["epochs"],
+                       benchmarks={"tasks": ["arc_easy"], "limit": 2})
+    assert main(["compare", "--config", config, "--quiet"]) == 0
+    out = tmp_path / "grid"
+    results = json.loads((out / "results.json").read_text())
+    (row,) = results["rows"]
+    # (a random tiny model may score 0 on two documents, which leaves RP undefined: None)
+    assert set(row["benchmarks"]) == {"arc_easy"} and "reasoning" in row["rp"]
+    assert "arc_easy" in results["dense"]["benchmarks"]
+    assert "reasoning" in results["pruned"]["last-0.3"]["rp"]
+    assert len(list((out / "benchmarks").glob("*.json"))) == 3  # dense, pruned, the cell
+    assert "RP (reasoning)" in (out / "results.md").read_text()
+
+
 def test_failed_cell_is_reported_and_the_grid_goes_on(assets, tmp_path):
     config = grid_file(assets, tmp_path, methods=["overrep", "full-ft"], budgets=["epochs"],
                        base={"model": {"source": str(assets / "tiny-llama")},

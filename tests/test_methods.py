@@ -100,7 +100,9 @@ def test_iso_rank_matches_overrep_trainable_parameters(assets, tmp_path):
     p.load()
     p.prune()
     per_rank = lora_params_per_rank(p.pruned)
+    layers_before = p.dense.config.num_hidden_layers
     target = p.overrep_trainable_params()
+    assert p.dense.config.num_hidden_layers == layers_before  # the account never touches the model's config
     expected_rank = iso_rank(p.pruned, target)
     p.build_recovery(with_data=False)
     assert p.recovery.rank == expected_rank == round(target / per_rank)
