@@ -41,6 +41,7 @@ restored afterwards), ``batch_size`` calibration rows per forward.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ from torch import nn
 from .arch import decoder_layers, final_norm
 from .errors import OverRepError
 from .surgery import _patch_config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -419,6 +422,8 @@ def laco(model: nn.Module, n_blocks: int, calibration=None, *, merge_size: int =
         reference = laco_reference(model, calibration, batch_size)
         while removed < n_blocks:
             sweeps += 1
+            log.info("laco sweep %d: threshold %.2f, %d of %d blocks merged away so far", sweeps, t, removed,
+                     n_blocks)
             accepted = evaluated = 0
             top = high - removed  # current position just past the searched range
             m = min(merge_size - 1, n_blocks - removed)

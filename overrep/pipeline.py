@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import platform
 import resource
 import shutil
@@ -165,8 +166,35 @@ class Pipeline:
             calibration = None
             if cfg.prune.criterion in NEEDS_CALIBRATION:
                 calibration = self.train_ids[:cfg.prune.calibration_sequences].to(self.device)
-            self.selection = get_criterion(cfg.prune.criterion)(self.dense, n, calibration)
+            self.selection = self._cached_selection(cfg.prune.criterion, n, calibration)
         self.timings["criterion"] = time.perf_counter() - t0
+
+    def _cached_selection(self, name: str, n: int, calibration):
+        """Run a criterion, or reuse its result: a data-driven criterion is a pure function of
+        the model, ``n`` and the calibration rows, and LaCo's search costs minutes."""
+        from .criteria import Selection
+
+        if calibration is None:
+            return get_criterion(name)(self.dense, n, None)
+        fp = model_fingerprint(self.dense, self.model_info["source"])
+        key = _digest({"criterion": name, "n": n, "model": fp,
+                       "calibration": hashlib.sha256(calibration.cpu().numpy().tobytes()).hexdigest()})
+        root = Path(self.cfg.cache.dir) if self.cfg.cache.dir else default_cache_root()
+        path = root / "criteria" / f"{name}-{key}.pt"
+        if path.is_file():
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+                log.info("criterion %s: reusing %s", name, path)
+                return Selection(saved["removed"], saved["replaced"], json.loads(saved["scores"]))
+            except Exception:  # a torn or foreign file: recompute and replace it
+                log.warning("criterion cache %s is unreadable; recomputing", path)
+        selection = get_criterion(name)(self.dense, n, calibration)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"removed": selection.removed, "replaced": selection.replaced,
+                    "scores": json.dumps(selection.scores)}, tmp)
+        os.replace(tmp, path)
+        return selection
 
     # ---- stage 2: prune, baseline evaluation ---------------------------------------
     def prune(self) -> None:

@@ -165,3 +165,23 @@ def test_logit_kd_is_the_forward_kl_to_the_teacher():
 def test_unknown_method_is_one_clear_error(assets, tmp_path):
     with pytest.raises(OverRepError, match="unknown recovery.method 'lroa'"):
         tiny_cfg(assets, tmp_path / "x", recovery__method="lroa")
+
+
+def test_data_driven_criterion_runs_on_the_pipeline_and_is_reused(assets, tmp_path, monkeypatch):
+    """block-influence from the config: scored on the training rows, cached, and recovered."""
+    import overrep.pipeline as pipeline_module
+
+    cfg = tiny_cfg(assets, tmp_path / "bi", prune__remove=None, prune__ratio=0.3,
+                   prune__criterion="block-influence", **FAST)
+    m = Pipeline(cfg, progress=False).run()
+    assert m["criterion"] == "block-influence" and len(m["criterion_scores"]["block_influence"]) == 6
+    assert len(list((tmp_path / "cache" / "criteria").glob("block-influence-*.pt"))) == 1
+
+    def never(*a, **k):
+        raise AssertionError("the criterion ran again instead of reusing its cached selection")
+
+    monkeypatch.setattr(pipeline_module, "get_criterion", lambda name: never)
+    again = Pipeline(tiny_cfg(assets, tmp_path / "bi2", prune__remove=None, prune__ratio=0.3,
+                              prune__criterion="block-influence", **FAST), progress=False)
+    again.load()
+    assert again.selection.removed == m["removed_layers"]
