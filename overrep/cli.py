@@ -179,6 +179,8 @@ def cmd_compare(args) -> int:
     cfg = CompareConfig.load(args.config, {"output": args.output, "methods": split(args.methods),
                                            "criteria": split(args.criteria), "ratios": split(args.ratios),
                                            "budgets": split(args.budgets)})
+    if args.no_benchmarks:
+        cfg.benchmarks = None
     results = Compare(cfg, progress=not args.quiet).run()
     failed = [r for r in results["rows"] if r.get("status") != "ok"]
     print(f"{len(results['rows']) - len(failed)} cells ok, {len(failed)} failed")
@@ -231,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--criteria", help="comma-separated pruning criteria, overrides the file")
     c.add_argument("--ratios", help="comma-separated pruning ratios, overrides the file")
     c.add_argument("--budgets", help="epochs and/or wallclock, overrides the file")
+    c.add_argument("--no-benchmarks", action="store_true", help="held-out perplexity only (skip lm-eval RP)")
     c.add_argument("--quiet", action="store_true")
     return parser
 

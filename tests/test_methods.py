@@ -185,3 +185,14 @@ def test_data_driven_criterion_runs_on_the_pipeline_and_is_reused(assets, tmp_pa
                               prune__criterion="block-influence", **FAST), progress=False)
     again.load()
     assert again.selection.removed == m["removed_layers"]
+
+
+@pytest.mark.parametrize("criterion", ["cosine", "laco"])
+def test_overrep_runs_on_other_criteria_masks(assets, tmp_path, criterion):
+    m = Pipeline(tiny_cfg(assets, tmp_path / criterion, prune__remove=None, prune__ratio=0.3,
+                          prune__criterion=criterion, **FAST), progress=False).run()
+    assert m["criterion"] == criterion and m["merge_max_abs_diff"] < 1e-4
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / criterion / "model")
+    assert model.config.num_hidden_layers == 6 - len(m["removed_layers"])
+    if criterion == "laco":  # the collapsed block keeps its merged weights (no stitching over them)
+        assert m["criterion_scores"]["merges"]
