@@ -48,7 +48,8 @@ def markdown(results: dict) -> str:
     if dense.get("ppl") is not None:
         lines.append(f"Dense model: held-out perplexity {fmt_ppl(dense['ppl'])}.")
     if dense.get("benchmarks"):
-        lines.append("Dense benchmarks: " + ", ".join(f"{k} {v:.1f}" for k, v in dense["benchmarks"].items()) + ".")
+        lines.append("Dense benchmarks: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in dense["benchmarks"].items())
+                     + ".")
     bench = cfg.get("benchmarks")
     if bench:
         lines.append(f"Benchmarks: {bench.get('tasks')} at limit {bench.get('limit')} per task; RP = recovered "
