@@ -42,16 +42,14 @@ import hashlib
 import json
 import logging
 import math
-import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from .config import RunConfig
+from .config import RunConfig, read_yaml
 from .errors import OverRepError
 from .export import write_json_atomic
 from .methods import METHODS
@@ -74,17 +72,7 @@ class CompareConfig:
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: dict | None = None) -> "CompareConfig":
-        data: dict = {}
-        if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise OverRepError(f"compare config '{p}' does not exist")
-            try:
-                data = yaml.safe_load(p.read_text()) or {}
-            except yaml.YAMLError as e:
-                raise OverRepError(f"compare config '{p}' is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise OverRepError("a compare config must be a mapping")
+        data = read_yaml(path, "compare config") if path is not None else {}
         data.update({k: v for k, v in (overrides or {}).items() if v is not None})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
@@ -219,12 +207,10 @@ class Compare:
         error_path = cell.dir.parent / f"{cell.dir.name}.error"
         error_path.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "overrep", "run", "--config", str(request), "--resume", "--quiet"]
-        t0 = time.perf_counter()
         with open(log_path, "a") as logf:
             logf.write(f"$ {' '.join(cmd)}\n")
             logf.flush()
-            proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                 "TQDM_DISABLE": "1"})
+            proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT)
         if proc.returncode == 130 or proc.returncode < 0:
             raise KeyboardInterrupt
         if proc.returncode != 0 or not cell.done:
@@ -233,9 +219,7 @@ class Compare:
             error_path.write_text(message + "\n")
             log.error("%s failed: %s", cell.label, message)
             return None
-        m = cell.metrics()
-        m["cell_seconds"] = time.perf_counter() - t0
-        return m
+        return cell.metrics()
 
     # ---- benchmarks ----------------------------------------------------------------
     def benchmark(self, model: str, tag: str) -> dict | None:

@@ -109,15 +109,7 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | dict | None = None) -> "RunConfig":
-        data: dict = {}
-        if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise OverRepError(f"config file '{p}' does not exist")
-            try:
-                data = yaml.safe_load(p.read_text()) or {}
-            except yaml.YAMLError as e:
-                raise OverRepError(f"config file '{p}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        data = read_yaml(path, "config file") if path is not None else {}
         for key, value in (overrides.items() if isinstance(overrides, dict) else _parse_overrides(overrides or [])):
             node = data
             *parents, leaf = key.split(".")
@@ -174,6 +166,20 @@ class RunConfig:
             return r.steps
         per_epoch = max(1, self.data.train_sequences // (r.batch_size * r.grad_accum))
         return max(1, int(round(r.epochs * per_epoch)))
+
+
+def read_yaml(path: str | Path, what: str) -> dict:
+    """A YAML mapping from ``path``; one-line errors for a missing file or bad YAML."""
+    p = Path(path)
+    if not p.is_file():
+        raise OverRepError(f"{what} '{p}' does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise OverRepError(f"{what} '{p}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise OverRepError(f"{what} '{p}' must hold a mapping")
+    return data
 
 
 def _parse_overrides(items: list[str]) -> list[tuple[str, object]]:

@@ -38,9 +38,10 @@ from torch import nn
 
 from .arch import block_parts, decoder_layers
 from .errors import OverRepError
-from .objectives import LanguageModeling, LayerwiseMSE, LogitDistillation, Objective, pretrained_matrix_ids
+from .objectives import (LanguageModeling, LayerwiseMSE, LogitDistillation, Objective, pretrained_matrix_ids,
+                         unique_trainable)
 from .presets import get_preset
-from .recovery import (apply_preset, capture_layer_context, count_parameters, merge_recovery, module_context)
+from .recovery import apply_preset, capture_layer_context, merge_recovery, module_context
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class OvercompleteKDRecovery(Recovery):
         super().__init__(pipe, method)
         self.preset = get_preset(method.preset or pipe.cfg.recovery.preset)
         self.modules = apply_preset(pipe.pruned, pipe.plan, self.preset)
-        params = list({id(p): p for m in self.modules for p in m.parameters() if p.requires_grad}.values())
+        params = unique_trainable(self.modules)
         self.objective = LogitDistillation(pipe.pruned, pipe.dense, pipe.train_ids, pipe.heldout_ids[:8],
                                            params=params, activations=[m.activation for m in self.modules],
                                            decayed=set().union(*(pretrained_matrix_ids(m) for m in self.modules)),
@@ -303,4 +304,4 @@ def build_recovery(pipe, method: Method, *, with_data: bool = True) -> Recovery:
 
 
 __all__ = ["METHODS", "Method", "get_method", "build_recovery", "Recovery", "iso_rank", "lora_params_per_rank",
-           "projection_names", "count_parameters"]
+           "projection_names"]

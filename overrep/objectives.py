@@ -76,7 +76,7 @@ class Objective:
         pass
 
 
-def _unique_trainable(modules) -> list[nn.Parameter]:
+def unique_trainable(modules) -> list[nn.Parameter]:
     seen, out = set(), []
     for m in modules:
         for p in m.parameters():
@@ -95,7 +95,7 @@ class LayerwiseMSE(Objective):
         self.activations = [m.activation for m in modules]
 
     def parameters(self):
-        return _unique_trainable(self.modules)
+        return unique_trainable(self.modules)
 
     def decayed_ids(self):
         return set().union(*(pretrained_matrix_ids(m) for m in self.modules))
@@ -142,7 +142,7 @@ class _WholeModel(Objective):
         return next(self.model.parameters()).device
 
     def parameters(self):
-        return self._params if self._params is not None else _unique_trainable([self.model])
+        return self._params if self._params is not None else unique_trainable([self.model])
 
     def decayed_ids(self):
         return pretrained_matrix_ids(self.model) if self._decayed is None else self._decayed

@@ -128,6 +128,7 @@ class Pipeline:
         self.dense.to(self.device)
         self.timings["load_model"] = time.perf_counter() - t0
         self.num_layers = len(decoder_layers(self.dense))
+        self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
         t0 = time.perf_counter()
         d = cfg.data
         self.train_ids, self.heldout_ids, self.data_info = token_splits(
@@ -144,7 +145,6 @@ class Pipeline:
                 del g.stitch[target]
         self.rcfg = dataclasses.replace(r, lr=r.lr if r.lr is not None else self.method.default_lr)
         self.total_steps = cfg.total_steps()
-        self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
         if not create_output:
             return
         # The output folder appears only once model, plan and data are known to be good, so a
@@ -176,8 +176,7 @@ class Pipeline:
 
         if calibration is None:
             return get_criterion(name)(self.dense, n, None)
-        fp = model_fingerprint(self.dense, self.model_info["source"])
-        key = _digest({"criterion": name, "n": n, "model": fp,
+        key = _digest({"criterion": name, "n": n, "model": self.model_fp,
                        "calibration": hashlib.sha256(calibration.cpu().numpy().tobytes()).hexdigest()})
         root = Path(self.cfg.cache.dir) if self.cfg.cache.dir else default_cache_root()
         path = root / "criteria" / f"{name}-{key}.pt"
