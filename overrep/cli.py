@@ -47,10 +47,13 @@ def _config(args):
     from .config import RunConfig
 
     overrides = list(args.set)
+    given = {item.split("=", 1)[0].strip() for item in overrides}
     for flag, key in (("model", "model.source"), ("preset", "recovery.preset"), ("output", "output"),
                       ("max_steps", "recovery.steps"), ("method", "recovery.method"),
                       ("criterion", "prune.criterion")):
         if getattr(args, flag, None) is not None:
+            if key in given:
+                raise OverRepError(f"--{flag.replace('_', '-')} and --set {key}=... both set {key}; give one")
             overrides.append(f"{key}={getattr(args, flag)}")
     if getattr(args, "ratio", None) is not None:
         overrides += [f"prune.ratio={args.ratio}", "prune.remove=null"]
@@ -99,11 +102,12 @@ def cmd_inspect(args) -> int:
 def cmd_prune(args) -> int:
     from .pipeline import Pipeline
 
-    p = Pipeline(_config(args), resume=True, overwrite=args.overwrite, progress=not args.quiet)
+    p = Pipeline(_config(args), reuse=True, overwrite=args.overwrite, progress=not args.quiet)
     p.prepare_output()
-    p.load()
-    p.prune()
-    path = p.export_pruned()
+    with p.output_guard():
+        p.load()
+        p.prune()
+        path = p.export_pruned()
     print(json.dumps({k: p.metrics[k] for k in ("removed_layers", "num_layers_before", "num_layers_after",
                                                  "layer_fraction_removed", "param_fraction_removed")}, indent=2))
     print(path)
@@ -115,11 +119,12 @@ def cmd_cache(args) -> int:
 
     cfg = _config(args)
     cfg.cache.mode = "disk"
-    p = Pipeline(cfg, resume=True, overwrite=args.overwrite, progress=not args.quiet)
+    p = Pipeline(cfg, reuse=True, overwrite=args.overwrite, progress=not args.quiet)
     p.prepare_output()
-    p.load()
-    p.prune()
-    p.features()
+    with p.output_guard():
+        p.load()
+        p.prune()
+        p.features()
     print(json.dumps(p.metrics["cache"], indent=2))
     return 0
 

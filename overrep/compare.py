@@ -51,7 +51,7 @@ import yaml
 
 from .config import RunConfig, read_yaml
 from .errors import OverRepError
-from .export import write_json_atomic
+from .atomic import write_json
 from .methods import METHODS
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,8 @@ class Compare:
         log_path = cell.dir.parent / f"{cell.dir.name}.log"
         error_path = cell.dir.parent / f"{cell.dir.name}.error"
         error_path.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "overrep", "run", "--config", str(request), "--resume", "--quiet"]
+        resume = ["--resume"] if (cell.dir / "config.yaml").is_file() else []  # an interrupted cell
+        cmd = [sys.executable, "-m", "overrep", "run", "--config", str(request), *resume, "--quiet"]
         with open(log_path, "a") as logf:
             logf.write(f"$ {' '.join(cmd)}\n")
             logf.flush()
@@ -290,7 +291,7 @@ class Compare:
                                "`overrep compare` command to continue") from None
         bar.close()
         results = self.collect(rows)
-        write_json_atomic(self.out / "results.json", results)
+        write_json(self.out / "results.json", results)
         from .compare_report import write_compare_report
 
         write_compare_report(self.out, results)

@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .atomic import write_file, write_text  # noqa: E402
 from .compare import fmt_ppl  # noqa: E402
 
 
@@ -98,7 +99,7 @@ def plot_perplexity(results: dict, path: Path) -> None:
         ax.set_xlabel("held-out perplexity (log)")
         ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "a plot")
     plt.close(fig)
 
 
@@ -122,7 +123,7 @@ def plot_time(results: dict, path: Path) -> None:
     ax.set_title("circles: matched epochs, squares: matched wall-clock; red: OverRep", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "a plot")
     plt.close(fig)
 
 
@@ -132,8 +133,4 @@ def write_compare_report(out: Path, results: dict) -> Path:
     plot_perplexity(results, plots / "perplexity.png")
     plot_time(results, plots / "perplexity_vs_time.png")
     text = markdown(results) + "\n![perplexity](plots/perplexity.png)\n\n![time](plots/perplexity_vs_time.png)\n"
-    path = out / "results.md"
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+    return write_text(out / "results.md", text, "the comparison table")

@@ -8,7 +8,9 @@ and the resolved configuration is written next to every output (``config.yaml``)
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,10 +126,20 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        from .atomic import write_text
+
+        write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False), "the configuration")
 
     def validate(self) -> None:
+        """Every check that needs no model or data: run before anything is loaded or written."""
         p, r, d, c = self.prune, self.recovery, self.data, self.cache
+        if not str(self.output).strip():
+            raise OverRepError("output must name a folder (got an empty string)")
+        if p.remove is not None:
+            from .surgery import parse_layers
+
+            if not parse_layers(str(p.remove)):
+                raise OverRepError(f"prune.remove '{p.remove}' names no block")
         if p.remove is None and p.ratio is None:
             raise OverRepError("set prune.ratio or prune.remove")
         if p.remove is None and not 0 < p.ratio < 1:
@@ -142,10 +154,33 @@ class RunConfig:
                 raise OverRepError(f"recovery.{name} must be >= 1, got {v}")
         if r.lr is not None and r.lr <= 0:
             raise OverRepError(f"recovery.lr must be > 0, got {r.lr}")
+        if not 0 < r.alpha_linear_ratio <= 1:
+            raise OverRepError(f"recovery.alpha_linear_ratio must be in (0, 1] (the merge needs a final linear "
+                               f"phase), got {r.alpha_linear_ratio}")
+        if not 0 <= r.alpha_warmup_ratio <= 1 - r.alpha_linear_ratio:
+            raise OverRepError(f"recovery.alpha_warmup_ratio must be in [0, 1 - alpha_linear_ratio], "
+                               f"got {r.alpha_warmup_ratio}")
+        for name, v in (("warmup_ratio", r.warmup_ratio), ("min_lr_ratio", r.min_lr_ratio)):
+            if not 0 <= v <= 1:
+                raise OverRepError(f"recovery.{name} must be in [0, 1], got {v}")
+        if r.weight_decay < 0 or r.grad_clip < 0:
+            raise OverRepError("recovery.weight_decay and recovery.grad_clip must be >= 0")
+        if not all(0 <= b < 1 for b in r.betas):
+            raise OverRepError(f"recovery.betas must be in [0, 1), got {list(r.betas)}")
+        if r.blocks < 1:
+            raise OverRepError(f"recovery.blocks must be >= 1, got {r.blocks}")
+        if r.threads is not None and r.threads < 1:
+            raise OverRepError(f"recovery.threads must be >= 1, got {r.threads}")
         from .methods import METHODS
 
         if r.method not in METHODS:
             raise OverRepError(f"unknown recovery.method '{r.method}'; available: {', '.join(METHODS)}")
+        from .criteria import CRITERIA
+        from .presets import get_preset
+
+        if p.remove is None and p.criterion not in CRITERIA:
+            raise OverRepError(f"unknown prune.criterion '{p.criterion}'; available: {', '.join(CRITERIA)}")
+        get_preset(METHODS[r.method].preset or r.preset)  # a bad name or preset file fails here, not mid-run
         if r.lora_rank < 1 or r.kd_tau <= 0:
             raise OverRepError("recovery.lora_rank must be >= 1 and recovery.kd_tau > 0")
         if p.calibration_sequences < 1:
@@ -196,39 +231,67 @@ def _build(cls, data: dict, where: str):
     if not isinstance(data, dict):
         raise OverRepError(f"config section '{where or 'root'}' must be a mapping")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     unknown = set(data) - set(fields)
     if unknown:
         name = sorted(unknown)[0]
         raise OverRepError(f"unknown config field '{where}{name}'; known: {', '.join(fields)}")
     kwargs = {}
     for name, value in data.items():
-        f = fields[name]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if default is None and "float" in str(f.type):  # optional float: coerce like a float
-            default = 0.0
-        if dataclasses.is_dataclass(default):
-            kwargs[name] = _build(type(default), value, f"{where}{name}.")
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{where}{name}.")
         else:
-            kwargs[name] = _coerce(value, default, f"{where}{name}")
+            kwargs[name] = _coerce(value, hint, f"{where}{name}")
     return cls(**kwargs)
 
 
-def _coerce(value, default, where: str):
-    if value is None or default is None:
-        return value
-    try:
-        if isinstance(default, bool):
-            if isinstance(value, str):
-                return value.lower() in ("1", "true", "yes", "on")
-            return bool(value)
-        if isinstance(default, int):
-            return int(value)
-        if isinstance(default, float):
-            return float(value)
-        if isinstance(default, tuple):
-            return tuple(float(v) for v in value)
-        if isinstance(default, str):
-            return str(value)
-    except (TypeError, ValueError):
-        raise OverRepError(f"config field '{where}' expects {type(default).__name__}, got {value!r}") from None
+def _coerce(value, hint, where: str):
+    """``value`` as the field's declared type (``int | None`` and the like included)."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if value is None:
+        if optional:
+            return None
+        raise OverRepError(f"config field '{where}' must be set")
+    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    origin = typing.get_origin(base) or base
+    what = getattr(origin, "__name__", str(origin))
+    bad = OverRepError(f"config field '{where}' expects {'an integer' if origin is int else what}, got {value!r}")
+    if origin is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise bad
+    if origin is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if not math.isfinite(f) or f != int(f):
+            raise bad
+        return int(f)
+    if origin is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if not math.isfinite(f):
+            raise OverRepError(f"config field '{where}' must be a finite number, got {value!r}")
+        return f
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(base)):
+            raise bad
+        return tuple(_coerce(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, typing.get_args(base))))
+    if origin is str:
+        if isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
     return value

@@ -341,17 +341,39 @@ def _eos_id(tokenizer) -> int:
     return int(eos)
 
 
-def _batches(docs: Sequence[str]) -> Iterator[Sequence[str]]:
-    """Consecutive slices of ``docs``, 16 long at first and doubling up to 512.
+#: Documents longer than this many characters are tokenised piece by piece, so that a
+#: huge document costs only the pieces the requested rows need (a 50 MB file is not
+#: tokenised whole to fill a few rows). Pieces end at whitespace; documents shorter than
+#: this are tokenised exactly as before.
+PIECE_CHARS = 100_000
+
+
+def _pieces(docs: Sequence[str]) -> Iterator[tuple[str, bool]]:
+    """``(text, ends_document)`` for every document, long ones cut into pieces."""
+    for doc in docs:
+        start = 0
+        while len(doc) - start > PIECE_CHARS:
+            cut = doc.rfind(" ", start + PIECE_CHARS // 2, start + PIECE_CHARS)
+            cut = start + PIECE_CHARS if cut < 0 else cut
+            yield doc[start:cut], False
+            start = cut
+        yield doc[start:], True
+
+
+def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
+    """Consecutive slices of ``pieces``, 16 long at first and doubling up to 512.
 
     Small first batches keep a request for a few rows cheap; large later ones let the
     fast tokenizer parallelise over a whole corpus.
     """
-    start, size = 0, 16
-    while start < len(docs):
-        yield docs[start:start + size]
-        start += size
-        size = min(size * 2, 512)
+    size, batch = 16, []
+    for piece in pieces:
+        batch.append(piece)
+        if len(batch) == size:
+            yield batch
+            batch, size = [], min(size * 2, 512)
+    if batch:
+        yield batch
 
 
 def _pack(
@@ -369,23 +391,26 @@ def _pack(
     eos = _eos_id(tokenizer)
     needed = None if max_sequences is None else max_sequences * seq_len
     ids: list[int] = []
-    used = 0
+    used, partial = 0, False  # documents tokenised (wholly, or partly when the rows filled up)
     with tqdm(total=len(docs), unit="doc", desc="tokenising", disable=not progress) as bar:
-        for batch in _batches(docs):
+        for batch in _batches(_pieces(docs)):
             # verbose=False: documents longer than model_max_length are fine here, they
             # are cut into rows, so the "sequence too long" warning would only mislead.
-            encoded = tokenizer(list(batch), add_special_tokens=False, verbose=False,
+            encoded = tokenizer([text for text, _ in batch], add_special_tokens=False, verbose=False,
                                 return_attention_mask=False)["input_ids"]
-            for row in encoded:
+            for row, (_, ends) in zip(encoded, batch):
                 ids.extend(row)
-                ids.append(eos)  # after every document, so the next one starts after an eos
-                used += 1
+                partial = not ends
+                if ends:
+                    ids.append(eos)  # after every document, so the next one starts after an eos
+                    used += 1
+                    bar.update(1)
                 if needed is not None and len(ids) >= needed:
                     break
-            bar.update(len(encoded))
             bar.set_postfix(sequences=len(ids) // seq_len, refresh=False)
             if needed is not None and len(ids) >= needed:
                 break
+    used += partial
     rows = len(ids) // seq_len
     if max_sequences is not None:
         rows = min(rows, max_sequences)

@@ -9,3 +9,8 @@ it as ``overrep: error: <message>`` and exits with status 2.
 
 class OverRepError(RuntimeError):
     """A user-facing error with a one-line, specific message."""
+
+
+class MergeRefused(OverRepError):
+    """Folding an overcomplete module was asked for while its annealed activation is not
+    yet the identity (the fold is exact only at alpha = 0)."""

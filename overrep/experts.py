@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .projection import MergeRefused, Side, fold, overcomplete_forward
+from .projection import Side, fold, overcomplete_forward
 from .schedule import AnnealedActivation
 
 
@@ -108,8 +108,8 @@ class OvercompleteExperts(nn.Module):
     @torch.no_grad()
     def merge(self) -> nn.Module:
         uses_d = any(getattr(self, f"D_{n}") is not None for n in ("gate", "up", "down"))
-        if uses_d and self.activation is not None and not self.activation.is_identity:
-            raise MergeRefused(f"annealed activation is not the identity yet (alpha={self.activation.alpha:.4g})")
+        if uses_d and self.activation is not None:
+            self.activation.require_identity("the overcomplete experts")
         base = self.base_layer
         for e in range(self.num_experts):
             w = self._base_weights(e)

@@ -39,6 +39,7 @@ import re
 import time
 from pathlib import Path
 
+from .atomic import write_json
 from .errors import OverRepError
 
 logger = logging.getLogger(__name__)
@@ -296,12 +297,7 @@ def default_output(model_source: str) -> Path:
 
 def write_results(path: str | Path, results: dict) -> Path:
     """Write ``results`` as JSON atomically (temporary file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json(path, results, "benchmark results")
 
 
 def load_results(source) -> dict:

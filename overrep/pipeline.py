@@ -14,15 +14,14 @@ stage on its own (``overrep cache``, ``overrep recover`` ...) or all of them
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import json
 import logging
-import os
 import platform
 import resource
-import shutil
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 
 from . import __version__
 from .accounting import blocks_for_ratio, counted_parameters
+from .atomic import save_torch, write_json
 from .arch import check_supported, decoder_layers
 from .cache import build_or_open
 from .config import RunConfig, default_cache_root
@@ -37,9 +37,10 @@ from .criteria import NEEDS_CALIBRATION, get_criterion
 from .data import token_splits
 from .errors import OverRepError
 from .evaluate import generation_latency, perplexity
-from .export import export_model, write_json_atomic
+from .export import export_model
 from .methods import build_recovery, get_method
 from .models import load_model
+from .outdir import RunFolder
 from .recovery import count_parameters, teacher_features
 from .surgery import parse_layers, plan_pruning, prune
 from .train import Trainer
@@ -84,8 +85,12 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Pipeline:
-    def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True):
-        self.cfg, self.resume, self.overwrite, self.progress = cfg, resume, overwrite, progress
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, reuse: bool = False,
+                 progress: bool = True):
+        """``resume``: continue the run in ``cfg.output`` (it must exist); ``overwrite``: replace
+        it; ``reuse``: write into it whether or not a run is there (single stages such as
+        ``overrep prune``)."""
+        self.cfg, self.resume, self.overwrite, self.reuse, self.progress = cfg, resume, overwrite, reuse, progress
         self.out = Path(cfg.output)
         self.metrics: dict = {}
         self.timings: dict[str, float] = {}
@@ -93,27 +98,31 @@ class Pipeline:
 
     # ---- stage 0: output folder ----------------------------------------------------
     def prepare_output(self) -> None:
-        out = self.out
-        if out.exists() and not out.is_dir():
-            raise OverRepError(f"output path '{out}' exists and is not a folder")
-        if out.exists() and any(out.iterdir()):
-            finished = (out / "metrics.json").exists()
-            if self.overwrite:
-                shutil.rmtree(out)
-            elif finished:
-                raise OverRepError(f"output folder '{out}' already holds a finished run; pass --overwrite or "
-                                   "choose another --output")
-            elif not self.resume:
-                raise OverRepError(f"output folder '{out}' holds an unfinished run; pass --resume to continue it "
-                                   "or --overwrite to start over")
-        if self.resume and (out / "config.yaml").exists():
-            saved = RunConfig.load(out / "config.yaml")
+        """Check what the output folder allows (``--resume``, ``--overwrite``); writes nothing."""
+        self.folder = RunFolder(self.out, resume=self.resume, overwrite=self.overwrite, reuse=self.reuse)
+        self.folder.check()
+        if (self.resume or self.reuse) and not self.overwrite and (self.out / "config.yaml").exists():
+            saved = RunConfig.load(self.out / "config.yaml")
             mine = self.cfg.to_dict()
             diff = [k for k in mine if k != "output" and json.dumps(mine[k], default=str)
                     != json.dumps(saved.to_dict()[k], default=str)]
             if diff:
                 raise OverRepError(f"--resume with a different configuration (section '{diff[0]}' differs from "
-                                   f"{out / 'config.yaml'})")
+                                   f"{self.out / 'config.yaml'})")
+
+    @contextlib.contextmanager
+    def output_guard(self):
+        """Around the stages that write: a failure before anything resumable exists leaves the
+        disk as it was (see :mod:`overrep.outdir`); success drops a run ``--overwrite`` replaced."""
+        try:
+            yield
+        except BaseException:
+            folder = getattr(self, "folder", None)
+            if folder is not None:
+                folder.rollback()
+            raise
+        if getattr(self, "folder", None) is not None:
+            self.folder.commit()
 
     # ---- stage 1: model, plan, data ------------------------------------------------
     def load(self, create_output: bool = True) -> None:
@@ -129,6 +138,11 @@ class Pipeline:
         self.timings["load_model"] = time.perf_counter() - t0
         self.num_layers = len(decoder_layers(self.dense))
         self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
+        r = cfg.recovery
+        self.method = get_method(r.method)
+        if cfg.prune.remove is not None:  # an impossible --remove fails before the data loads
+            plan_pruning(self.num_layers, parse_layers(str(cfg.prune.remove)), blocks=self.method.blocks or r.blocks,
+                         block1_init=r.block1_init)
         t0 = time.perf_counter()
         d = cfg.data
         self.train_ids, self.heldout_ids, self.data_info = token_splits(
@@ -136,8 +150,6 @@ class Pipeline:
             heldout_sequences=d.heldout_sequences, seed=d.seed, text_field=d.text_field)
         self.timings["data"] = time.perf_counter() - t0
         self.select_blocks()
-        r = cfg.recovery
-        self.method = get_method(r.method)
         self.plan = plan_pruning(self.num_layers, self.selection.removed, blocks=self.method.blocks or r.blocks,
                                  block1_init=r.block1_init)
         for g in self.plan.groups:  # a block a criterion already rewrote (LaCo) keeps its weights
@@ -147,11 +159,13 @@ class Pipeline:
         self.total_steps = cfg.total_steps()
         if not create_output:
             return
-        # The output folder appears only once model, plan and data are known to be good, so a
-        # typo in the command leaves nothing behind.
-        self.out.mkdir(parents=True, exist_ok=True)
+        # The output folder is touched only once model, plan and data are known to be good, so
+        # a typo in the command leaves everything as it was.
+        if not hasattr(self, "folder"):
+            self.prepare_output()
+        self.folder.open()
         self.cfg.save(self.out / "config.yaml")
-        write_json_atomic(self.out / "plan.json", self.plan.to_dict())
+        write_json(self.out / "plan.json", self.plan.to_dict(), "the pruning plan")
 
     def select_blocks(self) -> None:
         """The blocks to remove: explicit (``prune.remove``) or chosen by ``prune.criterion``."""
@@ -188,11 +202,8 @@ class Pipeline:
             except Exception:  # a torn or foreign file: recompute and replace it
                 log.warning("criterion cache %s is unreadable; recomputing", path)
         selection = get_criterion(name)(self.dense, n, calibration)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"removed": selection.removed, "replaced": selection.replaced,
-                    "scores": json.dumps(selection.scores)}, tmp)
-        os.replace(tmp, path)
+        save_torch(path, {"removed": selection.removed, "replaced": selection.replaced,
+                          "scores": json.dumps(selection.scores)}, "the criterion cache")
         return selection
 
     # ---- stage 2: prune, baseline evaluation ---------------------------------------
@@ -362,8 +373,12 @@ class Pipeline:
 
     # ---- everything ----------------------------------------------------------------
     def run(self) -> dict:
-        t_start = time.perf_counter()
         self.prepare_output()
+        with self.output_guard():
+            return self._run()
+
+    def _run(self) -> dict:
+        t_start = time.perf_counter()
         self.load()
         self.prune()
         self.evaluate_model(self.dense, "dense")
@@ -383,5 +398,5 @@ class Pipeline:
         })
         from .report import write_report
         write_report(self.out, self.metrics, self.history, self.cfg)
-        write_json_atomic(self.out / "metrics.json", self.metrics)  # last: marks the run finished
+        write_json(self.out / "metrics.json", self.metrics, "the metrics")  # last: marks the run finished
         return self.metrics

@@ -123,6 +123,12 @@ def get_preset(name_or_path: str | dict | Preset) -> Preset:
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
             raise OverRepError(f"preset file '{path}' does not exist")
-        return Preset.from_dict(yaml.safe_load(path.read_text()) or {})
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise OverRepError(f"preset file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise OverRepError(f"preset file '{path}' must hold a mapping")
+        return Preset.from_dict(data)
     raise OverRepError(f"unknown preset '{name_or_path}'; built-in: {', '.join(BUILTIN_PRESETS)} "
                        "(or a .yaml file)")

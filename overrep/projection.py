@@ -33,13 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from .errors import MergeRefused  # noqa: F401  (re-exported: part of the public API)
 from .schedule import AnnealedActivation
 
 Side = Literal["output", "input"]
-
-
-class MergeRefused(RuntimeError):
-    """Raised by ``merge()`` while the annealed activation is not yet the identity."""
 
 
 def _merge_dtype(t: torch.Tensor) -> torch.dtype:
@@ -119,9 +116,8 @@ class OvercompleteLinear(nn.Module):
 
     def merge(self) -> nn.Linear:
         """The folded plain ``nn.Linear`` (same dtype and device as the base layer)."""
-        if self.activation is not None and not self.activation.is_identity:
-            raise MergeRefused(f"annealed activation is not the identity yet (alpha={self.activation.alpha:.4g}); "
-                               "finish the schedule before merging")
+        if self.activation is not None:
+            self.activation.require_identity("an overcomplete projection")
         base = self.base_layer
         w, b = fold(base.weight, base.bias, self.W, self.D, self.side)
         out = nn.Linear(base.in_features, base.out_features, bias=b is not None,

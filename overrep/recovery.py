@@ -112,9 +112,8 @@ def merge_recovery(model: nn.Module) -> int:
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, WRAPPERS)]
     for name, m in targets:
         act = getattr(m, "activation", None)
-        if act is not None and not act.is_identity:
-            raise MergeRefused(f"cannot merge '{name}': annealed activation alpha={act.alpha:.4g} is not 0; "
-                               "the schedule must reach its linear phase first")
+        if act is not None:
+            act.require_identity(f"'{name}'")
     # Deepest first, so a wrapper nested in another's base is folded before its parent.
     for name, m in sorted(targets, key=lambda t: -t[0].count(".")):
         parent_name, _, attr = name.rpartition(".")

@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .atomic import make_dirs, write_file, write_text  # noqa: E402
+
 
 LOSS_NAMES = {"mse": "layer-wise MSE", "lm": "cross-entropy", "kd": "KL to dense logits"}
 
@@ -33,7 +35,7 @@ def plot_training(history: list[dict], path: Path, loss: str = "layer-wise MSE")
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "a plot")
     plt.close(fig)
 
 
@@ -49,7 +51,7 @@ def _fmt(v, digits=4):
 
 def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
     plots = out / "plots"
-    plots.mkdir(exist_ok=True)
+    make_dirs(plots)
     loss = LOSS_NAMES.get(m.get("objective"), "loss")
     if history:
         plot_training(history, plots / "training.png", loss)
@@ -103,6 +105,4 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         for tag, text in m["samples"].items():
             lines += [f"**{tag}**:", "", "> " + text.replace("\n", " "), ""]
     lines += ["## Reproduce", "", "```", f"overrep run --config {out / 'config.yaml'} --output NEW_FOLDER", "```", ""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines))
-    return path
+    return write_text(out / "report.md", "\n".join(lines), "the report")

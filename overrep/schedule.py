@@ -9,6 +9,11 @@ between its two factors. ``alpha_s`` rises linearly from 0 to 1 over the first
 and stays exactly 0 for the final ``linear_ratio * S`` steps, so that at the end
 ``A_S`` is the identity and the factors can be multiplied together (the merge).
 
+The last step is always in the linear phase, however short the run: when
+``linear_ratio * S < 1`` the decay ends at step ``S - 1``. Without that, a short run
+(``S = 2``) would train only with the non-linearity and the merge, which needs
+``alpha = 0``, would fold a function that training never saw.
+
 One :class:`AnnealedActivation` object is shared by all projections of a recovery
 module; the training loop calls :meth:`AnnealedActivation.set_step` once per step.
 Its state (the step and the schedule) goes into checkpoints through ``state_dict``.
@@ -22,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from .errors import MergeRefused
+
 
 @dataclass(frozen=True)
 class AlphaSchedule:
@@ -34,9 +41,9 @@ class AlphaSchedule:
     def __post_init__(self) -> None:
         if self.total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
-        if not (0.0 <= self.warmup_ratio and 0.0 <= self.linear_ratio
+        if not (0.0 <= self.warmup_ratio and 0.0 < self.linear_ratio
                 and self.warmup_ratio + self.linear_ratio <= 1.0):
-            raise ValueError("warmup_ratio and linear_ratio must be >= 0 and sum to at most 1")
+            raise ValueError("warmup_ratio must be >= 0, linear_ratio > 0, and they must sum to at most 1")
 
     @property
     def warmup_steps(self) -> float:
@@ -44,16 +51,17 @@ class AlphaSchedule:
 
     @property
     def decay_end(self) -> float:
-        return (1.0 - self.linear_ratio) * self.total_steps
+        """First step of the linear phase (at most ``S - 1``: the last step is always linear)."""
+        return min((1.0 - self.linear_ratio) * self.total_steps, self.total_steps - 1.0)
 
     def alpha(self, step: int) -> float:
         """alpha at training step ``step`` (0-based; the paper's s)."""
         s, s_w, s_d = float(step), self.warmup_steps, self.decay_end
+        if s >= s_d:
+            return 0.0
         if s < s_w:
             return s / s_w
-        if s < s_d:
-            return 0.5 * (1.0 + math.cos(math.pi * (s - s_w) / (s_d - s_w)))
-        return 0.0
+        return 0.5 * (1.0 + math.cos(math.pi * (s - s_w) / (s_d - s_w)))
 
 
 class AnnealedActivation(torch.nn.Module):
@@ -88,6 +96,12 @@ class AnnealedActivation(torch.nn.Module):
     @property
     def is_identity(self) -> bool:
         return self.alpha == 0.0
+
+    def require_identity(self, what: str) -> None:
+        """The one merge guard: folding ``what`` is exact only while ``A_s`` is the identity."""
+        if not self.is_identity:
+            raise MergeRefused(f"cannot merge {what}: the annealed activation is at alpha={self.alpha:.4g}, not 0; "
+                               "the schedule must reach its linear phase first")
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         if self.alpha == 0.0:

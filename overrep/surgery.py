@@ -15,7 +15,8 @@ from block b, the last removed one) or ``retained`` (block a-1 as it is). Blocks
 replacement block of Streamline); when its last block is the model's
 final block, the final norm joins the module and the target is the normed hidden state.
 A run that starts at block 0 has no block before it: its module is the k retained
-blocks after it, initialised as they are. Runs whose modules would share a block are
+blocks after it, initialised as they are, and learns ``h_in(0) -> ...``: in the compact
+model its first block receives the embeddings. Runs whose modules would share a block are
 recovered together by one module spanning both.
 """
 
@@ -70,7 +71,7 @@ class RecoveryGroup:
 
     ``module_layers``: dense indices of the retained blocks forming the module, in order.
     ``stitch``: dense index of a block 1 -> dense index of the removed block its MLP and
-    norms come from. Input: hidden state entering dense block ``module_layers[0]``.
+    norms come from. Input: hidden state entering dense block ``input_layer``.
     Target: output of dense block ``target_layer`` (normed if ``final_norm``).
     """
 
@@ -82,10 +83,14 @@ class RecoveryGroup:
 
     @property
     def input_layer(self) -> int:
-        return self.module_layers[0]
+        """The dense block whose *input* the module receives: its first block, or, for a run
+        that starts at block 0, block 0 itself -- in the compact model the module's first
+        block then receives the embeddings, so that is what it must be trained on."""
+        return min(self.module_layers[0], self.runs[0][0])
 
     def to_dict(self) -> dict:
         return {"runs": [list(r) for r in self.runs], "module_layers": self.module_layers,
+                "input_layer": self.input_layer,
                 "target_layer": self.target_layer, "final_norm": self.final_norm,
                 "stitch": {str(k): v for k, v in self.stitch.items()}}
 

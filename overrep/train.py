@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .atomic import save_torch, write_text
 from .cache import epoch_batches
 from .config import RecoveryConfig
 from .errors import OverRepError
@@ -128,21 +128,12 @@ class Trainer:
         return found[-1] if found else None
 
     def save_checkpoint(self) -> Path:
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         path = self._ckpt_path(self.step)
-        tmp = path.with_name(path.name + ".tmp")
         state = {"step": self.step, "total_steps": self.total, "fingerprint": self.fingerprint,
                  "trainable": trainable_state(self.objective), "optimizer": self.opt.state_dict(),
                  "history": self.history, "seconds": self.seconds, "rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        try:
-            torch.save(state, tmp)
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            if e.errno == 28:
-                raise OverRepError(f"no space left on device while writing checkpoint {path}") from None
-            raise
+        save_torch(path, state, "checkpoint")
         for old in sorted(self.ckpt_dir.glob("step-*.pt"))[:-2]:  # keep the two newest
             old.unlink(missing_ok=True)
         return path
@@ -153,7 +144,7 @@ class Trainer:
         if path is None:
             return False
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # a torn or corrupt file
             raise OverRepError(f"checkpoint {path} cannot be read ({type(e).__name__}); delete it to resume "
                                "from the one before") from None
@@ -225,4 +216,4 @@ class Trainer:
         return TrainResult(self.total, self.seconds, tokens, self.history)
 
     def write_log(self, path: Path) -> None:
-        path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        write_text(path, "".join(json.dumps(r) + "\n" for r in self.history), "the training log")

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import yaml
 
+from ..atomic import write_text
 from ..errors import OverRepError
 
 LOCAL_SUFFIX = "_local"
@@ -567,10 +568,7 @@ def _write_if_changed(path: Path, text: str) -> None:
     """
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text(path, text, "task data")
 
 
 def _dump_jsonl(rows: list[dict]) -> str:
