@@ -361,17 +361,19 @@ def _pieces(docs: Sequence[str]) -> Iterator[tuple[str, bool]]:
 
 
 def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
-    """Consecutive slices of ``pieces``, 16 long at first and doubling up to 512.
+    """Consecutive runs of ``pieces``: 16 long at first, doubling up to 512, and never much
+    more than ``PIECE_CHARS`` characters.
 
     Small first batches keep a request for a few rows cheap; large later ones let the
     fast tokenizer parallelise over a whole corpus.
     """
-    size, batch = 16, []
+    size, batch, chars = 16, [], 0
     for piece in pieces:
         batch.append(piece)
-        if len(batch) == size:
+        chars += len(piece[0])
+        if len(batch) == size or chars >= PIECE_CHARS:
             yield batch
-            batch, size = [], min(size * 2, 512)
+            batch, chars, size = [], 0, min(size * 2, 512)
     if batch:
         yield batch
 

@@ -147,7 +147,8 @@ class Pipeline:
         d = cfg.data
         self.train_ids, self.heldout_ids, self.data_info = token_splits(
             d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
-            heldout_sequences=d.heldout_sequences, seed=d.seed, text_field=d.text_field)
+            heldout_sequences=d.heldout_sequences, seed=d.seed, text_field=d.text_field,
+            progress=self.progress)
         self.timings["data"] = time.perf_counter() - t0
         self.select_blocks()
         self.plan = plan_pruning(self.num_layers, self.selection.removed, blocks=self.method.blocks or r.blocks,
