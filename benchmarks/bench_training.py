@@ -14,6 +14,16 @@ pruning = 25 % of the parameters, criterion "last"; or ``--remove``) and one bat
                   norm) trainable, embeddings / LM head frozen, AdamW: forward + backward
                   through every block and the LM head, the least a LoRA-style recovery costs
 
+  variants        one child holding both the OverRep (hybrid) and the Plain (plain-full)
+                  recovery, stepping them interleaved (round-robin, rotated every round;
+                  medians), so the ratios are measured side by side on a shared, noisy CPU:
+                  plain / overrep in fp32 and bf16 (recovery.precision), OverRep in its
+                  annealing phase (alpha > 0) and in its linear phase (alpha = 0) with the
+                  exact folded forward ("fast") and without it ("ref"). Ratios: OverRep over
+                  Plain at equal precision and against today's fp32 Plain, tokens/s over
+                  today's fp32 OverRep step, and a schedule-weighted OverRep step (80 %
+                  annealing + 20 % linear steps, the default alpha schedule).
+
 A ``cache_build`` child first builds the cache (batch x (warmup + steps) samples, in a
 temporary folder) and reports its rate. The training steps are the trainer's own
 (Trainer's optimiser, lr schedule, loss and grad clipping); the annealed activation is
@@ -51,10 +61,22 @@ from pathlib import Path
 
 import torch
 
-CASES = ("overrep_cached", "overrep_live", "plain_cached", "full_backprop")
+CASES = ("overrep_cached", "overrep_live", "plain_cached", "full_backprop", "variants")
 PRESETS = {"overrep_cached": "hybrid", "overrep_live": "hybrid", "plain_cached": "plain-full",
-           "full_backprop": "hybrid", "cache_build": "hybrid"}
+           "full_backprop": "hybrid", "cache_build": "hybrid", "variants": "hybrid"}
+# name: (recovery preset, precision, alpha phase, folded linear-phase forward)
+VARIANTS = {
+    "plain_fp32": ("plain-full", "fp32", None, True),
+    "plain_bf16": ("plain-full", "bf16", None, True),
+    "overrep_fp32": ("hybrid", "fp32", "annealing", True),
+    "overrep_bf16": ("hybrid", "bf16", "annealing", True),
+    "overrep_fp32_linear_ref": ("hybrid", "fp32", "linear", False),
+    "overrep_fp32_linear": ("hybrid", "fp32", "linear", True),
+    "overrep_bf16_linear": ("hybrid", "bf16", "linear", True),
+}
+LINEAR_SHARE = 0.2  # RecoveryConfig.alpha_linear_ratio: the share of steps with alpha = 0
 MB = 1024 * 1024
+TORCH_COMPILE_NOTE = "not used: see docs/speed.md"
 
 
 def log(msg: str) -> None:
@@ -91,7 +113,7 @@ def flop_counter():
             lambda g, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(g, q, k, v)})
 
 
-def make_pipeline(args, case: str):
+def make_pipeline(args, case: str, preset: str | None = None):
     from overrep.config import RunConfig
     from overrep.pipeline import Pipeline
 
@@ -99,11 +121,12 @@ def make_pipeline(args, case: str):
     cfg = RunConfig.load(overrides={
         "model": {"source": args.model},
         "prune": {"remove": args.remove} if args.remove else {},
-        "recovery": {"preset": PRESETS[case], "batch_size": args.batch, "threads": args.threads},
+        "recovery": {"preset": preset or PRESETS[case], "batch_size": args.batch, "threads": args.threads,
+                     "precision": args.precision},
         "data": {"source": args.data, "seq_len": args.seq_len, "heldout_sequences": 1,
                  "train_sequences": args.batch * (args.warmup + args.steps)},
         "cache": {"dir": str(work / "cache"), "mode": "live" if case == "overrep_live" else "disk"},
-        "output": str(work / f"run-{case}"),
+        "output": str(work / f"run-{case}-{preset or PRESETS[case]}"),
     })
     p = Pipeline(cfg, overwrite=True, progress=False)
     p.prepare_output()
@@ -138,6 +161,87 @@ def recovery_step_fn(p):
         trainer.opt.step()
 
     return step, sum(q.numel() for q in params), objective.activations[0]
+
+
+def variant_step_fn(p, precision: str, phase: str | None, fast: bool):
+    """``recovery_step_fn`` at a chosen precision, alpha phase and linear-phase forward."""
+    from overrep.config import RunConfig
+    from overrep.projection import OvercompleteLinear
+
+    step, n, act = recovery_step_fn(p)
+    total = RunConfig().total_steps()
+    modules = p.recovery.objective.modules
+    # recovery_step_fn steps alpha from total // 2; the linear phase starts at 80 % of the run
+    offset = 0 if phase != "linear" else math.ceil((1 - LINEAR_SHARE) * total) - total // 2
+
+    def run(i: int) -> None:
+        for m in modules:
+            m.precision = precision
+            for sub in m.modules():
+                if isinstance(sub, OvercompleteLinear):
+                    sub.fast = fast
+        step(offset + i)
+
+    return run, n, act
+
+
+def run_variants(args, out: dict) -> dict:
+    """Every VARIANTS entry stepped round-robin in this process; medians per variant."""
+    import statistics
+
+    pipes = {}
+    for preset in sorted({v[0] for v in VARIANTS.values()}):
+        pipes[preset] = make_pipeline(args, "variants", preset)
+        pipes[preset].build_recovery()
+        pipes[preset].dense = None
+    fns, acts = {}, {}
+    for name, (preset, precision, phase, fast) in VARIANTS.items():
+        fns[name], out.setdefault("trainable_params", {})[name], acts[name] = \
+            variant_step_fn(pipes[preset], precision, phase, fast)
+    names, times, alphas = list(VARIANTS), {n: [] for n in VARIANTS}, {}
+    rounds = args.warmup + args.steps
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            t0 = time.perf_counter()
+            fns[name](r)
+            dt = time.perf_counter() - t0
+            alphas[name] = acts[name].alpha  # the activation is shared by a pipeline's variants
+            if r >= args.warmup:
+                times[name].append(dt)
+            log(f"variants: round {r + 1}/{rounds} {name} {dt:.3f} s" + (" (warm-up)" if r < args.warmup else ""))
+    tokens = args.batch * args.seq_len
+    res = {}
+    for name, (preset, precision, phase, fast) in VARIANTS.items():
+        med = statistics.median(times[name])
+        res[name] = {"preset": preset, "precision": precision, "alpha_phase": phase or "none",
+                     "folded_linear_forward": fast if phase == "linear" else None,
+                     "seconds_per_step_median": med, "seconds_per_step_min": min(times[name]),
+                     "tokens_per_second": tokens / med}
+        if phase == "annealing":
+            res[name]["alpha"] = alphas[name]
+    out["variants"] = res
+    return out
+
+
+def variant_ratios(v: dict) -> dict:
+    """Step-time ratios and speed-ups from the ``variants`` case's medians."""
+    t = {k: x["seconds_per_step_median"] for k, x in v.items()}
+    out = {}
+    for prec in ("fp32", "bf16"):
+        t[f"overrep_{prec}_schedule"] = (1 - LINEAR_SHARE) * t[f"overrep_{prec}"] + LINEAR_SHARE * t[f"overrep_{prec}_linear"]
+        out[f"overrep_{prec}_schedule_seconds_per_step"] = t[f"overrep_{prec}_schedule"]
+        for phase in ("", "_linear", "_schedule"):
+            out[f"overrep{phase}_vs_plain_step_time_{prec}"] = t[f"overrep_{prec}{phase}"] / t[f"plain_{prec}"]
+    for phase in ("", "_linear", "_schedule"):
+        out[f"overrep_bf16{phase}_vs_plain_fp32_step_time"] = t[f"overrep_bf16{phase}"] / t["plain_fp32"]
+        # tokens/s against today's fp32 path: alpha > 0 and no folding, i.e. overrep_fp32 / linear_ref
+    base = {"": t["overrep_fp32"], "_linear": t["overrep_fp32_linear_ref"], "_schedule": t["overrep_fp32"]}
+    for phase in ("", "_linear", "_schedule"):
+        out[f"overrep_bf16{phase}_tokens_per_second_vs_fp32_today"] = base[phase] / t[f"overrep_bf16{phase}"]
+    out["overrep_fp32_linear_fold_speedup"] = t["overrep_fp32_linear_ref"] / t["overrep_fp32_linear"]
+    out["plain_bf16_speedup"] = t["plain_fp32"] / t["plain_bf16"]
+    return out
 
 
 def full_backprop_step_fn(p):
@@ -175,6 +279,8 @@ def run_child(args) -> dict:
            "hidden_size": cfg.hidden_size, "intermediate_size": getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
            "model": p.model_info["source"], "threads": torch.get_num_threads()}
     tokens, act = args.batch * args.seq_len, None
+    if case == "variants":
+        return run_variants(args, out)
     if case == "full_backprop":
         p.dense = None  # the pruned model is a deep copy
         step, out["trainable_params"] = full_backprop_step_fn(p)
@@ -244,7 +350,8 @@ def run_case(args, case: str, work: str) -> dict:
     result = Path(work) / f"{case}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--case", case, "--work-dir", work,
            "--json-out", str(result), "--model", args.model, "--data", args.data, "--batch", str(args.batch),
-           "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--precision", args.precision]
     cmd += ["--remove", args.remove] if args.remove else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
     log(f"running case {case}")
@@ -265,7 +372,7 @@ def run_parent(args) -> dict:
         torch.set_num_threads(args.threads)
     res: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="overrep-bench-") as work:
-        if any(c.endswith("_cached") for c in cases):
+        if any(c.endswith("_cached") or c == "variants" for c in cases):
             res["cache_build"] = run_case(args, "cache_build", work)
         for c in cases:
             res[c] = run_case(args, c, work)
@@ -274,7 +381,7 @@ def run_parent(args) -> dict:
     log(f"timing torch.mm for [{m}, {info['hidden_size']}] x [{info['hidden_size']}, {info['intermediate_size']}]")
     mm = matmul_flops(m, info["hidden_size"], info["intermediate_size"])
     report = {
-        "settings": {"model": info["model"], "removed_layers": info["removed_layers"],
+        "settings": {"model": info["model"], "precision": args.precision, "removed_layers": info["removed_layers"],
                      "num_layers": info["num_layers"], "data": args.data, "batch": args.batch,
                      "seq_len": args.seq_len, "tokens_per_step": m, "steps": args.steps, "warmup": args.warmup,
                      "threads": info["threads"], "torch": torch.__version__, "python": platform.python_version(),
@@ -286,13 +393,18 @@ def run_parent(args) -> dict:
     keep = ("seconds_per_step", "seconds_per_step_min", "tokens_per_second", "peak_rss_mb", "train_peak_rss_mb",
             "flops_per_step", "achieved_flops_per_second", "trainable_params", "alpha")
     for c in cases:
+        if c == "variants":
+            report["variants"] = res[c]["variants"]
+            report["variant_ratios"] = variant_ratios(res[c]["variants"])
+            report["torch_compile"] = TORCH_COMPILE_NOTE
+            continue
         report["cases"][c] = {k: res[c][k] for k in keep if k in res[c]}
     if "cache_build" in res:
         cb = res["cache_build"]
         for k in ("cache_build_seconds", "cache_build_tokens_per_second", "cache_samples", "cache_bytes"):
             report[k] = cb[k]
         report["cache_build_peak_rss_mb"] = cb["peak_rss_mb"]
-    step = {c: res[c]["seconds_per_step"] for c in cases}
+    step = {c: res[c]["seconds_per_step"] for c in cases if c != "variants"}
     if "overrep_cached" in step:
         report["overrep_flops_fraction_of_matmul"] = (res["overrep_cached"]["achieved_flops_per_second"]
                                                       / report["matmul_flops_per_second"])
@@ -322,6 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per case (default 5)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--precision", default="bf16", choices=("fp32", "bf16"),
+                    help="recovery.precision of the per-case children (the variants case runs both)")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     ap.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # child mode

@@ -64,6 +64,7 @@ class RecoveryConfig:
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
     eval_every: int = 50  # steps between validation-loss measurements
     threads: int | None = None  # torch CPU threads (None = torch's default)
+    precision: str = "bf16"  # layer-wise methods: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32"; see docs/speed.md
 
 
 @dataclass
@@ -191,6 +192,9 @@ class RunConfig:
             raise OverRepError(f"cache.mode must be 'disk' or 'live', got '{c.mode}'")
         if c.rebuild not in ("auto", "never"):
             raise OverRepError(f"cache.rebuild must be 'auto' or 'never', got '{c.rebuild}'")
+        from .precision import check_precision
+
+        check_precision(r.precision)
         for name, v in (("model.dtype", self.model.dtype), ("cache.dtype", c.dtype)):
             if v not in ("float32", "bfloat16"):
                 raise OverRepError(f"{name} must be float32 or bfloat16, got '{v}'")

@@ -170,6 +170,8 @@ class LayerwiseRecovery(Recovery):
         super().__init__(pipe, method)
         self.preset = get_preset(method.preset or pipe.cfg.recovery.preset)
         self.modules = apply_preset(pipe.pruned, pipe.plan, self.preset)
+        for m in self.modules:
+            m.precision = pipe.cfg.recovery.precision
         full_ctx = capture_layer_context(pipe.pruned, pipe.cfg.data.seq_len)
         self.contexts = [module_context(full_ctx, m) for m in self.modules]
         self.val_probe = pipe.teacher_batch(pipe.heldout_ids[:16])
@@ -180,11 +182,19 @@ class LayerwiseRecovery(Recovery):
     def finish(self) -> dict:
         _at_last_trained_step(self.objective.activations)
         probe = [{k: v[:4] for k, v in f.items()} for f in self.val_probe]
-        before = [m(f["inputs"], c) for m, f, c in zip(self.modules, probe, self.contexts)]
+
+        def outputs(precision: str) -> torch.Tensor:
+            for m in self.modules:
+                m.precision = precision
+            return torch.cat([m(f["inputs"], c).flatten() for m, f, c in zip(self.modules, probe, self.contexts)])
+
+        trained = self.pipe.cfg.recovery.precision
+        low = outputs(trained) if trained != "fp32" else None
+        before = outputs("fp32")  # the trained function, evaluated as the merged model will be
         merged = merge_recovery(self.pipe.pruned)
-        after = [m(f["inputs"], c) for m, f, c in zip(self.modules, probe, self.contexts)]
-        out = _check_fold(torch.cat([b.flatten() for b in before]), torch.cat([a.flatten() for a in after]),
-                          "merge", self.pipe.pruned.dtype)
+        out = _check_fold(before, outputs("fp32"), "merge", self.pipe.pruned.dtype)
+        if low is not None:  # how far the bf16 training forward sits from that function
+            out["train_precision_max_rel_diff"] = (low - before).abs().max().item() / before.abs().max().item()
         return {"merged_wrappers": merged, **out}
 
     def describe(self) -> dict:

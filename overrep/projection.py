@@ -17,6 +17,19 @@ follows the reference code and the paper's channel-wise appendix. When
 W and D are each optional. The annealed activation sits *between* the two factors, so a
 projection with W but no D stays linear (as in the reference implementation).
 
+Two exact rewrites make training steps cheaper (same function, same gradients):
+
+* Linear phase (``A_s`` the identity): the forward applies the folded ``P_hat`` above,
+  formed once per call, instead of the two factors. For ``n`` tokens the output side costs
+  ``d_out^2 d_in + n d_in d_out`` multiply-adds instead of ``n d_out^2 + n d_in d_out``, so it
+  is used when ``n > d_in`` (input side: ``n > d_out``). Autograd through the product gives
+  ``dL/dD = G (P + W)^T`` and ``dL/d(P + W) = D^T G`` with ``G = dL/dP_hat`` (output side;
+  input side ``(P + W)^T G`` and ``G D^T``), the same gradients as the two-factor form.
+* Under bf16 autocast D is applied as ``D a = a + (D - I) a`` with the sum in fp32: ``D``
+  stays near ``I``, and bf16 rounding (2^-8 relative) of D, or of the sum, would swallow
+  its small updates; ``D - I`` is formed in fp32 and rounds to bf16 with relative, not
+  absolute, error. Likewise ``P_hat = (P + W) + (D - I)(P + W)`` with the sum in fp32.
+
 The norm re-parameterisation trains ``weight = base * (1 + scale) + bias`` (scale, bias
 zero-initialised) and folds it into the norm's own weight at merge time.
 
@@ -49,17 +62,52 @@ def init_d(d: int, like: torch.Tensor) -> torch.Tensor:
     return torch.eye(d, dtype=like.dtype, device=like.device)
 
 
+def fold_pays(x: torch.Tensor, weight: torch.Tensor, side: Side) -> bool:
+    """Whether forming ``P_hat`` costs fewer multiply-adds than applying D per token."""
+    tokens = x.numel() // x.shape[-1]
+    return tokens > (weight.shape[1] if side == "output" else weight.shape[0])
+
+
+def _low_precision(x: torch.Tensor) -> bool:
+    return torch.is_autocast_enabled(x.device.type)
+
+
+def _apply_d(z: torch.Tensor, D: torch.Tensor, low: bool) -> torch.Tensor:
+    """``z D^T`` (D on the last axis of ``z``); ``z + z (D - I)^T`` under autocast."""
+    if not low:
+        return F.linear(z, D)
+    eye = torch.eye(D.shape[0], dtype=D.dtype, device=D.device)
+    return z.float() + F.linear(z, D - eye).float()  # the sum in fp32: bf16 would round it back to z
+
+
+def folded_weight(w: torch.Tensor, D: torch.Tensor, side: Side, low: bool) -> torch.Tensor:
+    """``P_hat`` = ``D w`` (output side) or ``w D`` (input side), differentiable."""
+    if not low:
+        return D @ w if side == "output" else w @ D
+    eye = torch.eye(D.shape[0], dtype=D.dtype, device=D.device)
+    corr = (D - eye) @ w if side == "output" else w @ (D - eye)
+    return w + corr.float()  # the small correction in bf16, the sum in fp32
+
+
 def overcomplete_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          W: torch.Tensor | None, D: torch.Tensor | None, side: Side,
-                         act: AnnealedActivation | None) -> torch.Tensor:
-    """One overcomplete projection: ``x`` ``[..., d_in]`` -> ``[..., d_out]``."""
+                         act: AnnealedActivation | None, fast: bool = True) -> torch.Tensor:
+    """One overcomplete projection: ``x`` ``[..., d_in]`` -> ``[..., d_out]``.
+
+    ``fast=False`` always applies the two factors (the reference form, for tests)."""
     w = weight if W is None else weight + W
     if D is None:
         return F.linear(x, w, bias)
-    a = act if act is not None else (lambda z: z)
+    low = _low_precision(x)
+    linear = act is None or act.is_identity
+    if fast and linear and fold_pays(x, w, side):
+        p_hat = folded_weight(w, D, side, low)
+        b_hat = bias if bias is None or side == "input" else _apply_d(bias, D, low)
+        return F.linear(x, p_hat, b_hat)
+    a = (lambda z: z) if act is None else act
     if side == "output":
-        return F.linear(a(F.linear(x, w, bias)), D)
-    return F.linear(a(F.linear(x, D)), w, bias)
+        return _apply_d(a(F.linear(x, w, bias)), D, low)
+    return F.linear(a(_apply_d(x, D, low)), w, bias)
 
 
 @torch.no_grad()
@@ -85,6 +133,7 @@ class OvercompleteLinear(nn.Module):
     def __init__(self, base_layer: nn.Linear, *, use_w: bool, use_d: bool, side: Side = "output",
                  train_base: bool = False, activation: AnnealedActivation | None = None):
         super().__init__()
+        self.fast = True  # exact rewrites on (see the module docstring); False: reference form
         if side not in ("output", "input"):
             raise ValueError(f"side must be 'output' or 'input', got {side!r}")
         self.base_layer = base_layer
@@ -112,7 +161,7 @@ class OvercompleteLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return overcomplete_forward(x, self.base_layer.weight, self.base_layer.bias,
-                                    self.W, self.D, self.side, self.activation)
+                                    self.W, self.D, self.side, self.activation, self.fast)
 
     def merge(self) -> nn.Linear:
         """The folded plain ``nn.Linear`` (same dtype and device as the base layer)."""

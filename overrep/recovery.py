@@ -16,6 +16,7 @@ from torch import nn
 
 from .arch import block_parts, decoder_layers, final_norm, mlp_activation
 from .experts import OvercompleteExperts
+from .precision import autocast
 from .presets import Preset
 from .projection import MergeRefused, OvercompleteLinear, ReparamNorm
 from .schedule import AlphaSchedule, AnnealedActivation
@@ -29,7 +30,11 @@ class RecoveryModule(nn.Module):
 
     ``forward(h [B, T, H], context) -> [B, T, H]`` where ``context[i]`` holds the keyword
     arguments (attention mask, rotary embeddings, ...) of the module's i-th block.
+    ``precision`` (``fp32`` | ``bf16``, see :mod:`overrep.precision`) sets the autocast the
+    forward runs under; the output is returned in the input's dtype.
     """
+
+    precision: str = "fp32"
 
     def __init__(self, blocks: list[nn.Module], norm: nn.Module | None, activation: AnnealedActivation,
                  group: RecoveryGroup, compact_indices: list[int]):
@@ -41,10 +46,13 @@ class RecoveryModule(nn.Module):
         self.compact_indices = compact_indices
 
     def forward(self, h: torch.Tensor, context: list[dict]) -> torch.Tensor:
-        for block, kwargs in zip(self.blocks, context):
-            out = block(h, **kwargs)
-            h = out[0] if isinstance(out, tuple) else out
-        return h if self.norm is None else self.norm(h)
+        dtype = h.dtype
+        with autocast(self.precision, h.device):
+            for block, kwargs in zip(self.blocks, context):
+                out = block(h, **kwargs)
+                h = out[0] if isinstance(out, tuple) else out
+            h = h if self.norm is None else self.norm(h)
+        return h.to(dtype)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
