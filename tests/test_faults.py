@@ -184,6 +184,8 @@ def test_trained_and_merged_modules_agree_independently(assets, tmp_path):
     last_alpha = p.trainer.history[-1]["alpha"]
     for a in rec.objective.activations:
         a.set_alpha(last_alpha)
+    for m in rec.modules:  # the trained weights' function in exact (fp32) arithmetic, as merged
+        m.precision = "fp32"
     probe = p.teacher_batch(p.heldout_ids[:2])
     with torch.no_grad():
         trained = [m(f["inputs"], c).clone() for m, f, c in zip(rec.modules, probe, rec.contexts)]
