@@ -92,8 +92,8 @@ def flop_counter():
 
 
 def make_pipeline(args, case: str):
-    from overrep.config import RunConfig
-    from overrep.pipeline import Pipeline
+    from overrep.app.config import RunConfig
+    from overrep.app.pipeline import Pipeline
 
     work = Path(args.work_dir)
     cfg = RunConfig.load(overrides={
@@ -115,8 +115,8 @@ def make_pipeline(args, case: str):
 def recovery_step_fn(p):
     """One recovery step as Trainer.run takes it (same optimiser, lr, alpha, loss, clipping), at step
     indices from the middle of a default-length run."""
-    from overrep.config import RunConfig
-    from overrep.train import Trainer, lr_factor
+    from overrep.app.config import RunConfig
+    from overrep.recovery.trainer import Trainer, lr_factor
 
     cfg = p.rcfg
     total = RunConfig().total_steps()  # a notional full run, so alpha sits inside its annealing phase
@@ -141,7 +141,7 @@ def recovery_step_fn(p):
 
 
 def full_backprop_step_fn(p):
-    from overrep.arch import decoder_layers, final_norm
+    from overrep.model.arch import decoder_layers, final_norm
 
     model, cfg = p.pruned, p.cfg.recovery
     model.requires_grad_(False)
