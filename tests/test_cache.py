@@ -10,15 +10,15 @@ import os
 import pytest
 import torch
 
-from overrep.data import cache as cache_mod
+from overrep.data.cache import writer as cache_mod  # its `os`, to fake a full disk / count preadv calls
 from overrep.data.cache import (
     FeatureCache,
     FeatureCacheCorrupt,
     FeatureCacheMismatch,
     FeatureCacheWriter,
     build_or_open,
-    epoch_batches,
 )
+from overrep.recovery.sampler import epoch_batches
 from overrep.errors import OverRepError
 
 N, T, H = 10, 4, 6

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import save_torch, write_text
-from ..data.cache import epoch_batches
+from .sampler import epoch_batches
 from ..errors import OverRepError
 from .objectives import Objective
 from ..core.schedule import AlphaSchedule
