@@ -114,8 +114,8 @@ def flop_counter():
 
 
 def make_pipeline(args, case: str, preset: str | None = None):
-    from overrep.config import RunConfig
-    from overrep.pipeline import Pipeline
+    from overrep.app.config import RunConfig
+    from overrep.app.pipeline import Pipeline
 
     work = Path(args.work_dir)
     cfg = RunConfig.load(overrides={
@@ -138,8 +138,8 @@ def make_pipeline(args, case: str, preset: str | None = None):
 def recovery_step_fn(p):
     """One recovery step as Trainer.run takes it (same optimiser, lr, alpha, loss, clipping), at step
     indices from the middle of a default-length run."""
-    from overrep.config import RunConfig
-    from overrep.train import Trainer, lr_factor
+    from overrep.app.config import RunConfig
+    from overrep.recovery.trainer import Trainer, lr_factor
 
     cfg = p.rcfg
     total = RunConfig().total_steps()  # a notional full run, so alpha sits inside its annealing phase
@@ -165,8 +165,8 @@ def recovery_step_fn(p):
 
 def variant_step_fn(p, precision: str, phase: str | None, fast: bool):
     """``recovery_step_fn`` at a chosen precision, alpha phase and linear-phase forward."""
-    from overrep.config import RunConfig
-    from overrep.projection import OvercompleteLinear
+    from overrep.app.config import RunConfig
+    from overrep.core.projection import OvercompleteLinear
 
     step, n, act = recovery_step_fn(p)
     total = RunConfig().total_steps()
@@ -245,7 +245,7 @@ def variant_ratios(v: dict) -> dict:
 
 
 def full_backprop_step_fn(p):
-    from overrep.arch import decoder_layers, final_norm
+    from overrep.model.arch import decoder_layers, final_norm
 
     model, cfg = p.pruned, p.cfg.recovery
     model.requires_grad_(False)

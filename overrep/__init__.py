@@ -8,11 +8,11 @@ the original architecture.
 __version__ = "0.1.0"
 
 from .errors import OverRepError  # noqa: E402
-from .presets import BUILTIN_PRESETS, BlockSpec, Preset, get_preset  # noqa: E402
-from .projection import MergeRefused, OvercompleteLinear, ReparamNorm  # noqa: E402
-from .recovery import RecoveryModule, apply_preset, merge_recovery  # noqa: E402
-from .schedule import AlphaSchedule, AnnealedActivation  # noqa: E402
-from .surgery import PrunePlan, plan_pruning, prune, remove_layers  # noqa: E402
+from .model.presets import BUILTIN_PRESETS, BlockSpec, Preset, get_preset  # noqa: E402
+from .core.projection import MergeRefused, OvercompleteLinear, ReparamNorm  # noqa: E402
+from .model.wrap import RecoveryModule, apply_preset, merge_recovery  # noqa: E402
+from .core.schedule import AlphaSchedule, AnnealedActivation  # noqa: E402
+from .model.surgery import PrunePlan, plan_pruning, prune, remove_layers  # noqa: E402
 
 __all__ = ["OverRepError", "BUILTIN_PRESETS", "BlockSpec", "Preset", "get_preset", "MergeRefused",
            "OvercompleteLinear", "ReparamNorm", "RecoveryModule", "apply_preset", "merge_recovery",

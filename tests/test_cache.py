@@ -1,4 +1,4 @@
-"""Tests for overrep.cache: round trips, random access, resume, staleness, corruption, ENOSPC."""
+"""Tests for the feature cache (overrep.data): round trips, random access, resume, staleness, corruption, ENOSPC."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import os
 import pytest
 import torch
 
-from overrep import cache as cache_mod
-from overrep.cache import (
+from overrep.data.cache import writer as cache_mod  # its `os`, to fake a full disk / count preadv calls
+from overrep.data.cache import (
     FeatureCache,
     FeatureCacheCorrupt,
     FeatureCacheMismatch,
     FeatureCacheWriter,
     build_or_open,
-    epoch_batches,
 )
+from overrep.recovery.sampler import epoch_batches
 from overrep.errors import OverRepError
 
 N, T, H = 10, 4, 6
@@ -179,7 +179,7 @@ def test_fingerprint_mismatch_rebuilds_with_auto(tmp_path, caplog):
     (tmp_path / "unrelated.txt").write_text("keep me")
     new_fp = {**FP, "segment": [4, 6]}
     new_data = make_data(seed=1)
-    with caplog.at_level(logging.WARNING, logger="overrep.cache"):
+    with caplog.at_level(logging.WARNING, logger="overrep.data.cache"):
         fc, producer = build(tmp_path, new_data, fingerprint=new_fp)
     assert "field 'segment' differs" in caplog.text
     assert len(producer.calls) == 3

@@ -7,8 +7,8 @@ import json
 import pytest
 import yaml
 
-from overrep.cli import main
-from overrep.compare import Compare, CompareConfig
+from overrep.app.cli import main
+from overrep.app.compare import Compare, CompareConfig
 from overrep.errors import OverRepError
 
 

@@ -9,17 +9,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from overrep.accounting import blocks_for_ratio, meta_model, recovery_account
-from overrep.arch import decoder_layers
+from overrep.model.accounting import blocks_for_ratio, meta_model, recovery_account
+from overrep.model.arch import decoder_layers
 from overrep.errors import OverRepError
-from overrep.experts import OvercompleteExperts
-from overrep.export import PROVENANCE_FILE, export_model
-from overrep.presets import BUILTIN_PRESETS, BlockSpec, Preset, get_preset
-from overrep.projection import MergeRefused, OvercompleteLinear, ReparamNorm
-from overrep.recovery import (apply_preset, capture_layer_context, count_parameters, has_wrappers, merge_recovery,
-                              module_context, teacher_features)
-from overrep.schedule import AlphaSchedule, AnnealedActivation
-from overrep.surgery import parse_layers, plan_pruning, prune, remove_layers
+from overrep.core.experts import OvercompleteExperts
+from overrep.app.export import PROVENANCE_FILE, export_model
+from overrep.model.presets import BUILTIN_PRESETS, BlockSpec, Preset, get_preset
+from overrep.core.projection import MergeRefused, OvercompleteLinear, ReparamNorm
+from overrep.model.hooks import capture_layer_context, module_context, teacher_features
+from overrep.model.wrap import apply_preset, count_parameters, has_wrappers, merge_recovery
+from overrep.core.schedule import AlphaSchedule, AnnealedActivation
+from overrep.model.surgery import parse_layers, plan_pruning, prune, remove_layers
 
 from tiny import ARCHS, tiny_ids, tiny_model
 
@@ -295,7 +295,7 @@ def test_impossible_ratios(ratio):
 
 def test_unsupported_architecture_names_what_is_missing():
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50))
-    from overrep.arch import check_supported
+    from overrep.model.arch import check_supported
     with pytest.raises(OverRepError, match="unsupported architecture GPT2LMHeadModel"):
         check_supported(gpt2)
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from overrep.arch import decoder_layers
-from overrep.criteria import (CRITERIA, NEEDS_CALIBRATION, Selection, block_influence, get_criterion, laco,
+from overrep.model.arch import decoder_layers
+from overrep.pruning.criteria import (CRITERIA, NEEDS_CALIBRATION, Selection, block_influence, get_criterion, laco,
                               last_but_final, segment_cosine)
 from overrep.errors import OverRepError
-from overrep.surgery import remove_layers
+from overrep.model.surgery import remove_layers
 
 from tiny import tiny_ids, tiny_model
 

@@ -11,8 +11,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import overrep.models
-from overrep import data
+import overrep.model.loading
+from overrep.data import text as data
 from overrep.errors import OverRepError
 
 VOCAB = 500
@@ -136,7 +136,7 @@ def test_embedded_corpus_missing_package_gives_install_hint(monkeypatch):
 
 
 def test_hf_source_offline_fails_fast_without_touching_the_network(monkeypatch):
-    monkeypatch.setattr(overrep.models, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(overrep.model.loading, "hub_reachable", lambda timeout=3.0: False)
 
     def no_network(*args, **kwargs):
         raise AssertionError("load_dataset must not be called offline")
@@ -151,7 +151,7 @@ def test_hf_source_offline_fails_fast_without_touching_the_network(monkeypatch):
 
 def test_hf_offline_mode_env_counts_as_unreachable(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert overrep.models.hub_reachable() is False
+    assert overrep.model.loading.hub_reachable() is False
 
 
 def test_hf_source_streams_shuffled_limit(monkeypatch):
@@ -166,7 +166,7 @@ def test_hf_source_streams_shuffled_limit(monkeypatch):
 
         return datasets.IterableDataset.from_generator(gen)
 
-    monkeypatch.setattr(overrep.models, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(overrep.model.loading, "hub_reachable", lambda timeout=3.0: True)
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     a = data.load_documents("hf:org/set:cfg", limit=7, seed=5)
     assert calls[0] == ("org/set", "cfg", "train", True)
@@ -180,7 +180,7 @@ def test_hf_stream_failure_is_one_line_error(monkeypatch):
     def failing(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'org/set' on the Hub\nmore detail")
 
-    monkeypatch.setattr(overrep.models, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(overrep.model.loading, "hub_reachable", lambda timeout=3.0: True)
     monkeypatch.setattr(datasets, "load_dataset", failing)
     with pytest.raises(OverRepError) as info:
         data.load_documents("hf:org/set", limit=3)
@@ -316,7 +316,7 @@ def test_token_splits_too_few_sequences_says_how_many(tmp_path, tok):
 
 @pytest.mark.parametrize("name", ["c4", "wikitext", "ptb"])
 def test_package_corpora_load(name):
-    from overrep.data import load_documents
+    from overrep.data.text import load_documents
 
     docs = load_documents(name)
     assert len(docs) > 100 and all(isinstance(d, str) and d for d in docs[:50])

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from overrep.cli import main
-from overrep.config import RunConfig
+from overrep.app.cli import main
+from overrep.app.config import RunConfig
 from overrep.errors import MergeRefused, OverRepError
-from overrep.pipeline import Pipeline
-from overrep.schedule import AlphaSchedule
+from overrep.app.pipeline import Pipeline
+from overrep.core.schedule import AlphaSchedule
 
 from tiny import tiny_cfg
 
@@ -196,7 +196,7 @@ def test_trained_and_merged_modules_agree_independently(assets, tmp_path):
 
 
 def test_merge_refused_is_a_one_line_user_error():
-    from overrep.schedule import AnnealedActivation
+    from overrep.core.schedule import AnnealedActivation
 
     act = AnnealedActivation(torch.nn.functional.silu)
     act.set_alpha(0.3)

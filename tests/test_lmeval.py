@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from overrep import lmeval, retained
-from overrep import tasks as offline
+from overrep.app import cli
+from overrep.eval import lmeval
+from overrep.eval import retained
+from overrep.eval import tasks as offline
 from overrep.errors import OverRepError
 from tiny import make_tiny_model_dir, tiny_ids, tiny_model
 
@@ -203,15 +205,15 @@ def test_cli_prints_table_and_retained_performance(tiny_dir, task_dir, tmp_path,
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--quiet", action="store_true")
-    lmeval.add_arguments(parser)
+    cli.add_benchmark_arguments(parser)
     dense = tmp_path / "dense.json"
     args = parser.parse_args([str(tiny_dir), "--tasks", "winogrande", "--limit", "2", "--batch-size", "2",
                               "--task-source", "local", "--output", str(dense), "--quiet"])
-    assert lmeval.cmd_benchmarks(args) == 0
+    assert cli.cmd_benchmarks(args) == 0
     args = parser.parse_args([str(tiny_dir), "--tasks", "winogrande", "--limit", "2", "--batch-size", "2",
                               "--task-source", "local", "--output", str(tmp_path / "again.json"),
                               "--compare", str(dense), "--quiet"])
-    assert lmeval.cmd_benchmarks(args) == 0
+    assert cli.cmd_benchmarks(args) == 0
     out = capsys.readouterr().out
     # the same model twice: the RP table lists winogrande with equal pruned and dense scores
     row = re.search(r"^winogrande\s+acc\s+([\d.]+)\s+([\d.]+)", out, re.M)
@@ -343,7 +345,7 @@ def test_strided_perplexity_equals_hand_computed_cross_entropy():
 
 @torch.no_grad()
 def test_non_overlapping_perplexity_matches_row_perplexity():
-    from overrep.evaluate import perplexity as row_perplexity
+    from overrep.eval.measure import perplexity as row_perplexity
 
     model = tiny_model("llama")
     rows = tiny_ids(3, 16)
@@ -366,7 +368,7 @@ def test_sliding_windows_cover_every_target_once():
 
 
 def test_squad_metrics_stand_in():
-    from overrep.tasks import squad_metrics
+    from overrep.eval.tasks import squad_metrics
 
     squad_metrics.install()
     import transformers.data.metrics.squad_metrics as sm

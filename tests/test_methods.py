@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from overrep.arch import decoder_layers
+from overrep.model.arch import decoder_layers
 from overrep.errors import OverRepError
-from overrep.methods import METHODS, iso_rank, lora_params_per_rank
-from overrep.objectives import LogitDistillation
-from overrep.pipeline import Pipeline
-from overrep.train import Trainer
+from overrep.recovery.methods import METHODS, iso_rank, lora_params_per_rank
+from overrep.recovery.objectives import LogitDistillation
+from overrep.app.pipeline import Pipeline
+from overrep.recovery.trainer import Trainer
 
 from tiny import tiny_cfg, tiny_ids, tiny_model
 
@@ -169,7 +169,7 @@ def test_unknown_method_is_one_clear_error(assets, tmp_path):
 
 def test_data_driven_criterion_runs_on_the_pipeline_and_is_reused(assets, tmp_path, monkeypatch):
     """block-influence from the config: scored on the training rows, cached, and recovered."""
-    import overrep.pipeline as pipeline_module
+    import overrep.app.pipeline as pipeline_module
 
     cfg = tiny_cfg(assets, tmp_path / "bi", prune__remove=None, prune__ratio=0.3,
                    prune__criterion="block-influence", **FAST)

@@ -1,4 +1,4 @@
-"""Tests for overrep.models: model specs, errors, the GGUF conversion cache. No network."""
+"""Tests for overrep.model.loading: model specs, errors, the GGUF conversion cache. No network."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from overrep import models
+from overrep.model import loading as models
 from overrep.errors import OverRepError
 from tiny import tiny_model
 

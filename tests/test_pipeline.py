@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from overrep.cli import main
-from overrep.config import RunConfig
+from overrep.app.cli import main
+from overrep.app.config import RunConfig
 from overrep.errors import OverRepError
-from overrep.pipeline import Pipeline
-from overrep.objectives import LayerwiseMSE
-from overrep.train import Trainer
+from overrep.app.pipeline import Pipeline
+from overrep.recovery.objectives import LayerwiseMSE
+from overrep.recovery.trainer import Trainer
 
 from tiny import tiny_cfg
 

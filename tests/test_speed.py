@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from overrep.arch import decoder_layers
-from overrep.config import RunConfig
+from overrep.model.arch import decoder_layers
+from overrep.app.config import RunConfig
 from overrep.errors import OverRepError
-from overrep.presets import get_preset
-from overrep.projection import OvercompleteLinear, fold_pays
+from overrep.model.presets import get_preset
+from overrep.core.projection import OvercompleteLinear, fold_pays
 from overrep.recovery import apply_preset, capture_layer_context, merge_recovery, module_context
-from overrep.schedule import AlphaSchedule
-from overrep.surgery import plan_pruning, prune
+from overrep.core.schedule import AlphaSchedule
+from overrep.model.surgery import plan_pruning, prune
 
 from tiny import tiny_ids, tiny_model
 

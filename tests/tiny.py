@@ -101,7 +101,7 @@ def make_assets(root):
 
 def tiny_cfg(assets: Path, out: Path, **over):
     """A run configuration for the tiny assets; ``section__field=value`` overrides."""
-    from overrep.config import RunConfig
+    from overrep.app.config import RunConfig
 
     base = {
         "model": {"source": str(assets / "tiny-llama")},

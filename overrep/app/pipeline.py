@@ -1,0 +1,404 @@
+"""The end-to-end job: prune -> cache -> recover -> merge -> export -> evaluate.
+
+Read top to bottom; each stage is a method of :class:`Pipeline` so the CLI can run a
+stage on its own (``overrep cache``, ``overrep recover`` ...) or all of them
+(``overrep run``). Everything a run produces lives in its output folder:
+
+    config.yaml      resolved configuration          plan.json      removed blocks, modules
+    checkpoints/     resumable training state        train_log.jsonl  per-step losses
+    model/           the compact Hugging Face model  metrics.json   numbers (written last)
+    report.md        readable summary with plots     plots/         PNG figures
+
+``metrics.json`` is written last, so its presence marks a finished run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..model.accounting import blocks_for_ratio, counted_parameters
+from ..atomic import save_torch, write_json
+from ..model.arch import check_supported, decoder_layers
+from ..data.cache import build_or_open
+from .config import RunConfig, default_cache_root
+from ..pruning.criteria import NEEDS_CALIBRATION, get_criterion
+from ..data.text import token_splits
+from ..errors import OverRepError
+from ..eval.measure import generation_latency, perplexity
+from .export import export_model
+from ..recovery.methods import build_recovery, get_method
+from ..model.loading import load_model
+from .outdir import RunFolder
+from ..model.hooks import teacher_features
+from ..model.wrap import count_parameters
+from ..model.surgery import parse_layers, plan_pruning, prune
+from ..recovery.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TEACHER_BATCH = 8
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model, source: str) -> str:
+    """Source, config and a sample of every weight tensor: cheap, and changes with the weights."""
+    h = hashlib.sha256(source.encode())
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().reshape(-1)[:4096].float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise OverRepError(f"unknown device '{spec}'; use auto, cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OverRepError(f"device '{spec}' requested but CUDA is not available on this machine")
+    return device
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: GPU memory on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class Pipeline:
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, reuse: bool = False,
+                 progress: bool = True):
+        """``resume``: continue the run in ``cfg.output`` (it must exist); ``overwrite``: replace
+        it; ``reuse``: write into it whether or not a run is there (single stages such as
+        ``overrep prune``)."""
+        self.cfg, self.resume, self.overwrite, self.reuse, self.progress = cfg, resume, overwrite, reuse, progress
+        self.out = Path(cfg.output)
+        self.metrics: dict = {}
+        self.timings: dict[str, float] = {}
+        self.benchmark_results: dict[str, dict] = {}
+
+    # ---- stage 0: output folder ----------------------------------------------------
+    def prepare_output(self) -> None:
+        """Check what the output folder allows (``--resume``, ``--overwrite``); writes nothing."""
+        self.folder = RunFolder(self.out, resume=self.resume, overwrite=self.overwrite, reuse=self.reuse)
+        self.folder.check()
+        if (self.resume or self.reuse) and not self.overwrite and (self.out / "config.yaml").exists():
+            saved = RunConfig.load(self.out / "config.yaml")
+            mine = self.cfg.to_dict()
+            diff = [k for k in mine if k != "output" and json.dumps(mine[k], default=str)
+                    != json.dumps(saved.to_dict()[k], default=str)]
+            if diff:
+                raise OverRepError(f"--resume with a different configuration (section '{diff[0]}' differs from "
+                                   f"{self.out / 'config.yaml'})")
+
+    @contextlib.contextmanager
+    def output_guard(self):
+        """Around the stages that write: a failure before anything resumable exists leaves the
+        disk as it was (see :mod:`overrep.app.outdir`); success drops a run ``--overwrite`` replaced."""
+        try:
+            yield
+        except BaseException:
+            folder = getattr(self, "folder", None)
+            if folder is not None:
+                folder.rollback()
+            raise
+        if getattr(self, "folder", None) is not None:
+            self.folder.commit()
+
+    # ---- stage 1: model, plan, data ------------------------------------------------
+    def load(self, create_output: bool = True) -> None:
+        cfg = self.cfg
+        if cfg.recovery.threads:
+            torch.set_num_threads(cfg.recovery.threads)
+        torch.manual_seed(cfg.recovery.seed)
+        self.device = resolve_device(cfg.model.device)
+        t0 = time.perf_counter()
+        self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=_DTYPES[cfg.model.dtype])
+        check_supported(self.dense)
+        self.dense.to(self.device)
+        self.timings["load_model"] = time.perf_counter() - t0
+        self.num_layers = len(decoder_layers(self.dense))
+        self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
+        r = cfg.recovery
+        self.method = get_method(r.method)
+        if cfg.prune.remove is not None:  # an impossible --remove fails before the data loads
+            plan_pruning(self.num_layers, parse_layers(str(cfg.prune.remove)), blocks=self.method.blocks or r.blocks,
+                         block1_init=r.block1_init)
+        t0 = time.perf_counter()
+        d = cfg.data
+        self.train_ids, self.heldout_ids, self.data_info = token_splits(
+            d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
+            heldout_sequences=d.heldout_sequences, seed=d.seed, text_field=d.text_field,
+            progress=self.progress)
+        self.timings["data"] = time.perf_counter() - t0
+        self.select_blocks()
+        self.plan = plan_pruning(self.num_layers, self.selection.removed, blocks=self.method.blocks or r.blocks,
+                                 block1_init=r.block1_init)
+        for g in self.plan.groups:  # a block a criterion already rewrote (LaCo) keeps its weights
+            for target in [t for t in g.stitch if t in self.selection.replaced]:
+                del g.stitch[target]
+        self.rcfg = dataclasses.replace(r, lr=r.lr if r.lr is not None else self.method.default_lr)
+        self.total_steps = cfg.total_steps()
+        if not create_output:
+            return
+        # The output folder is touched only once model, plan and data are known to be good, so
+        # a typo in the command leaves everything as it was.
+        if not hasattr(self, "folder"):
+            self.prepare_output()
+        self.folder.open()
+        self.cfg.save(self.out / "config.yaml")
+        write_json(self.out / "plan.json", self.plan.to_dict(), "the pruning plan")
+
+    def select_blocks(self) -> None:
+        """The blocks to remove: explicit (``prune.remove``) or chosen by ``prune.criterion``."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if cfg.prune.remove is not None:
+            from ..pruning.criteria import Selection
+
+            self.selection = Selection(parse_layers(str(cfg.prune.remove)))
+        else:
+            n = blocks_for_ratio(self.dense, cfg.prune.ratio)
+            calibration = None
+            if cfg.prune.criterion in NEEDS_CALIBRATION:
+                calibration = self.train_ids[:cfg.prune.calibration_sequences].to(self.device)
+            self.selection = self._cached_selection(cfg.prune.criterion, n, calibration)
+        self.timings["criterion"] = time.perf_counter() - t0
+
+    def _cached_selection(self, name: str, n: int, calibration):
+        """Run a criterion, or reuse its result: a data-driven criterion is a pure function of
+        the model, ``n`` and the calibration rows, and LaCo's search costs minutes."""
+        from ..pruning.criteria import Selection
+
+        if calibration is None:
+            return get_criterion(name)(self.dense, n, None)
+        key = _digest({"criterion": name, "n": n, "model": self.model_fp,
+                       "calibration": hashlib.sha256(calibration.cpu().numpy().tobytes()).hexdigest()})
+        root = Path(self.cfg.cache.dir) if self.cfg.cache.dir else default_cache_root()
+        path = root / "criteria" / f"{name}-{key}.pt"
+        if path.is_file():
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+                log.info("criterion %s: reusing %s", name, path)
+                return Selection(saved["removed"], saved["replaced"], json.loads(saved["scores"]))
+            except Exception:  # a torn or foreign file: recompute and replace it
+                log.warning("criterion cache %s is unreadable; recomputing", path)
+        selection = get_criterion(name)(self.dense, n, calibration)
+        save_torch(path, {"removed": selection.removed, "replaced": selection.replaced,
+                          "scores": json.dumps(selection.scores)}, "the criterion cache")
+        return selection
+
+    # ---- stage 2: prune, baseline evaluation ---------------------------------------
+    def prune(self) -> None:
+        model = copy.deepcopy(self.dense)
+        layers = decoder_layers(model)
+        for index, state in self.selection.replaced.items():  # e.g. LaCo's collapsed blocks
+            layers[index].load_state_dict(state)
+        self.pruned = prune(model, self.plan)
+        dense_params, compact_params = count_parameters(self.dense), count_parameters(self.pruned)
+        counted, _ = counted_parameters(self.dense)
+        self.metrics.update({
+            "removed_layers": self.plan.removed,
+            "criterion": self.cfg.prune.criterion if self.cfg.prune.remove is None else "explicit",
+            "criterion_scores": self.selection.scores,
+            "num_layers_before": self.num_layers,
+            "num_layers_after": self.num_layers - len(self.plan.removed),
+            "layer_fraction_removed": len(self.plan.removed) / self.num_layers,
+            "param_fraction_removed": 1 - compact_params / dense_params,
+            "param_fraction_removed_head_counted": (dense_params - compact_params) / counted,
+            "dense_params": dense_params,
+            "pruned_params": compact_params,
+            "recovery_modules": [g.to_dict() for g in self.plan.groups],
+        })
+
+    def evaluate_model(self, model, tag: str) -> None:
+        ev = self.cfg.eval
+        t0 = time.perf_counter()
+        if ev.perplexity:
+            self.metrics[f"{tag}_ppl"] = perplexity(model, self.heldout_ids, desc=f"ppl {tag}", progress=self.progress)
+        if ev.latency:
+            lat = generation_latency(model, self.tokenizer, ev.sample_prompt, ev.latency_tokens)
+            self.metrics[f"{tag}_latency_s_per_token"] = lat["seconds_per_token"]
+            self.metrics.setdefault("samples", {})[tag] = lat["text"]
+        if ev.benchmarks:
+            from ..eval.lmeval import evaluate_benchmarks
+
+            results = evaluate_benchmarks(model, self.tokenizer, tasks=ev.benchmarks, limit=ev.benchmark_limit,
+                                          output=self.out / "benchmarks" / f"{tag}.json", progress=self.progress)
+            self.benchmark_results[tag] = results
+            self.metrics.setdefault("benchmarks", {})[tag] = {
+                b: r.get("value") for b, r in results["tasks"].items() if r.get("status") == "ok"}
+            if tag != "dense" and "dense" in self.benchmark_results:
+                from ..eval.retained import retained_performance
+
+                rp = retained_performance(results, self.benchmark_results["dense"])
+                self.metrics.setdefault("retained_performance", {})[tag] = {
+                    suite: v.get("rp") for suite, v in rp.items()}
+        self.metrics[f"{tag}_params"] = count_parameters(model)
+        self.timings[f"eval_{tag}"] = time.perf_counter() - t0
+
+    # ---- stage 3: the recovery method and its data -------------------------------
+    def build_recovery(self, with_data: bool = True) -> None:
+        """Set up ``recovery.method`` on the pruned model (``with_data=False``: no feature
+        cache, for re-exporting from checkpoints)."""
+        self.recovery = build_recovery(self, self.method, with_data=with_data)
+        self.metrics["method"] = self.method.name
+        self.metrics["objective"] = self.method.objective
+        self.metrics["trainable_params"] = self.recovery.trainable_params
+        self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
+        self.metrics["lr"] = self.rcfg.lr
+
+    def teacher_batch(self, ids: torch.Tensor) -> list[dict]:
+        """Dense-model features of ``ids`` for every recovery group, ``TEACHER_BATCH`` rows at a time."""
+        parts = [teacher_features(self.dense, ids[i:i + TEACHER_BATCH], self.plan.groups)
+                 for i in range(0, ids.shape[0], TEACHER_BATCH)]
+        return [{k: torch.cat([p[g][k] for p in parts]) for k in ("inputs", "targets")}
+                for g in range(len(self.plan.groups))]
+
+    def overrep_trainable_params(self) -> int:
+        """What OverRep (``recovery.preset``, ``recovery.blocks``) would train on this plan."""
+        from ..model.accounting import recovery_account
+
+        r = self.cfg.recovery
+        return recovery_account(self.dense.config, self.plan.removed, r.preset, blocks=r.blocks,
+                                block1_init=r.block1_init)["trainable_params"]
+
+    def cache_fingerprint(self) -> dict:
+        return {"model": self.model_fp, "plan": self.plan.to_dict(), "data": self.data_info.get("train_fingerprint"),
+                "seq_len": self.cfg.data.seq_len, "model_dtype": self.cfg.model.dtype}
+
+    def features(self):
+        """A batch source for training: the disk cache, or the live teacher."""
+        cfg, groups = self.cfg, self.plan.groups
+        if cfg.cache.mode == "live":
+            return lambda idx: teacher_features(self.dense, self.train_ids[idx], groups)
+        fp = self.cache_fingerprint()
+        root = Path(cfg.cache.dir) if cfg.cache.dir else default_cache_root()
+        path = root / "features" / _digest(fp)
+        names = tuple(f"{k}_{g}" for g in range(len(groups)) for k in ("inputs", "targets"))
+
+        def produce(rows: range) -> dict:
+            feats = self.teacher_batch(self.train_ids[rows.start:rows.stop])
+            return {f"{k}_{g}": f[k] for g, f in enumerate(feats) for k in ("inputs", "targets")}
+
+        t0 = time.perf_counter()
+        self.cache = build_or_open(path, fingerprint=fp, num_samples=self.train_ids.shape[0],
+                                   seq_len=cfg.data.seq_len, hidden_size=self.dense.config.hidden_size,
+                                   dtype=_DTYPES[cfg.cache.dtype], produce=produce, tensors=names,
+                                   rebuild=cfg.cache.rebuild, progress=self.progress)
+        self.timings["cache"] = time.perf_counter() - t0
+        self.metrics["cache"] = {"path": str(path), "bytes": self.cache.nbytes}
+
+        def source(idx: list[int]) -> list[dict]:
+            got = self.cache.get(idx)
+            return [{"inputs": got[f"inputs_{g}"], "targets": got[f"targets_{g}"]} for g in range(len(groups))]
+        return source
+
+    # ---- stage 4: training ---------------------------------------------------------
+    def make_trainer(self) -> Trainer:
+        cfg = self.cfg
+        fingerprint = _digest({"cfg": {k: v for k, v in cfg.to_dict().items() if k != "output"},
+                               "model": self.model_fp})
+        self.trainer = Trainer(self.recovery.objective, self.train_ids.shape[0], self.rcfg, self.total_steps,
+                               self.out / "checkpoints", tokens_per_sample=cfg.data.seq_len,
+                               fingerprint=fingerprint, progress=self.progress)
+        if self.resume:
+            self.trainer.resume()
+        return self.trainer
+
+    def train(self) -> None:
+        result = self.make_trainer().run()
+        self.trainer.write_log(self.out / "train_log.jsonl")
+        self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds,
+                             "train_tokens": result.tokens, "train_tokens_per_second": result.tokens_per_second,
+                             "final_train_loss": result.history[-1]["loss"] if result.history else None,
+                             "final_val_loss": next((h["val_loss"] for h in reversed(result.history)
+                                                     if h.get("val_loss") is not None), None)})
+        self.history = result.history
+
+    # ---- stage 5: fold back into the compact model and check -----------------------
+    def merge(self) -> None:
+        self.metrics.update(self.recovery.finish())
+
+    # ---- stage 6: export -----------------------------------------------------------
+    def export(self) -> Path:
+        from transformers import AutoModelForCausalLM
+
+        provenance = {
+            "overrep_version": __version__,
+            "source_model": self.model_info,
+            "removed_layers": self.plan.removed,
+            "plan": self.plan.to_dict(),
+            "method": self.method.name,
+            "recovery": self.recovery.describe(),
+            "merge_max_abs_diff": self.metrics.get("merge_max_abs_diff"),
+            "training": {k: self.metrics.get(k) for k in ("train_steps", "train_seconds", "train_tokens",
+                                                          "final_train_loss", "final_val_loss")},
+            "data": self.data_info,
+            "config": self.cfg.to_dict(),
+        }
+        path = export_model(self.pruned, self.tokenizer, self.out / "model", provenance, overwrite=True)
+        reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.pruned.dtype).to(self.device).eval()
+        ids = self.heldout_ids[:1].to(self.device)
+        with torch.no_grad():
+            d = (reloaded(ids).logits - self.pruned(ids).logits).abs().max().item()
+        self.metrics["export_reload_max_abs_diff"] = d
+        self.metrics["model_dir"] = str(path)
+        return path
+
+    def export_pruned(self) -> Path:
+        """The pruned model without recovery, as a loadable folder (a baseline)."""
+        provenance = {"overrep_version": __version__, "source_model": self.model_info,
+                      "removed_layers": self.plan.removed, "plan": self.plan.to_dict(), "method": "none",
+                      "config": self.cfg.to_dict()}
+        return export_model(self.pruned, self.tokenizer, self.out / "pruned-model", provenance, overwrite=True)
+
+    # ---- everything ----------------------------------------------------------------
+    def run(self) -> dict:
+        self.prepare_output()
+        with self.output_guard():
+            return self._run()
+
+    def _run(self) -> dict:
+        t_start = time.perf_counter()
+        self.load()
+        self.prune()
+        self.evaluate_model(self.dense, "dense")
+        self.evaluate_model(self.pruned, "pruned")
+        self.build_recovery()
+        self.train()
+        self.merge()
+        self.evaluate_model(self.pruned, "recovered")
+        self.export()
+        self.metrics.update({
+            "preset": getattr(self.recovery, "preset", None) and self.recovery.preset.name,
+            "model": self.model_info["source"], "peak_memory_bytes": peak_memory_bytes(self.device),
+            "data": {k: v for k, v in self.data_info.items() if not isinstance(v, (list, dict))},
+            "timings_seconds": self.timings, "total_seconds": time.perf_counter() - t_start,
+            "environment": {"overrep": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                            "python": platform.python_version(), "machine": platform.machine()},
+        })
+        from .report import write_report
+        write_report(self.out, self.metrics, self.history, self.cfg)
+        write_json(self.out / "metrics.json", self.metrics, "the metrics")  # last: marks the run finished
+        return self.metrics

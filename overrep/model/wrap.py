@@ -1,0 +1,143 @@
+"""The Overcomplete Recovery Module (ORM): wrap, run, merge.
+
+:func:`apply_preset` turns the recovery blocks of a pruned model into their overcomplete
+training form (paper, appendix "Practical Implementation": block 1 jointly trains its
+pretrained weights and W/D, block 2 keeps its pretrained weights frozen and trains only
+W/D). :class:`RecoveryModule` runs those blocks on cached hidden states with exactly the
+masks and rotary embeddings the model itself would use (captured from one forward
+pass), and :func:`merge_recovery` folds every wrapper back (``eq:reparam``) so the model
+is again a plain, compact Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .arch import block_parts, decoder_layers, final_norm, mlp_activation
+from ..core.experts import OvercompleteExperts
+from ..core.precision import autocast
+from .presets import Preset
+from ..core.projection import MergeRefused, OvercompleteLinear, ReparamNorm
+from ..core.schedule import AlphaSchedule, AnnealedActivation
+from .surgery import PrunePlan, RecoveryGroup
+
+WRAPPERS = (OvercompleteLinear, ReparamNorm, OvercompleteExperts)
+
+
+class RecoveryModule(nn.Module):
+    """The trainable recovery blocks of one :class:`RecoveryGroup` (shared with the model).
+
+    ``forward(h [B, T, H], context) -> [B, T, H]`` where ``context[i]`` holds the keyword
+    arguments (attention mask, rotary embeddings, ...) of the module's i-th block.
+    ``precision`` (``fp32`` | ``bf16``, see :mod:`overrep.precision`) sets the autocast the
+    forward runs under; the output is returned in the input's dtype.
+    """
+
+    precision: str = "fp32"
+
+    def __init__(self, blocks: list[nn.Module], norm: nn.Module | None, activation: AnnealedActivation,
+                 group: RecoveryGroup, compact_indices: list[int]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = norm
+        self.activation = activation
+        self.group = group
+        self.compact_indices = compact_indices
+
+    def forward(self, h: torch.Tensor, context: list[dict]) -> torch.Tensor:
+        dtype = h.dtype
+        with autocast(self.precision, h.device):
+            for block, kwargs in zip(self.blocks, context):
+                out = block(h, **kwargs)
+                h = out[0] if isinstance(out, tuple) else out
+            h = h if self.norm is None else self.norm(h)
+        return h.to(dtype)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+def _wrap_block(layer: nn.Module, index: int, spec, preset: Preset, act: AnnealedActivation) -> None:
+    parts = block_parts(layer, index)
+    for p in layer.parameters():
+        p.requires_grad_(spec.train_base)
+    for key, (parent, attr) in parts.projections.items():
+        use_w, use_d = key in spec.w, key in spec.d
+        if use_w or use_d:
+            setattr(parent, attr, OvercompleteLinear(getattr(parent, attr), use_w=use_w, use_d=use_d,
+                                                     side=preset.d_side[key], train_base=spec.train_base,
+                                                     activation=act))
+    if parts.experts is not None:
+        parent, attr = parts.experts
+        wanted = {k: (k in spec.w, k in spec.d, preset.d_side[k]) for k in ("gate", "up", "down")
+                  if k in spec.w or k in spec.d}
+        if wanted:
+            setattr(parent, attr, OvercompleteExperts(getattr(parent, attr), wanted,
+                                                      train_base=spec.train_base, activation=act))
+        if parts.router is not None:  # routing is preserved exactly: never trained
+            parts.router.requires_grad_(False)
+    if spec.norm_reparam:
+        for parent, attr in parts.norms.values():
+            setattr(parent, attr, ReparamNorm(getattr(parent, attr), train_base=spec.train_base))
+
+
+def apply_preset(model: nn.Module, plan: PrunePlan, preset: Preset,
+                 schedule: AlphaSchedule | None = None) -> list[RecoveryModule]:
+    """Freeze the pruned ``model`` and make its recovery blocks overcomplete (in place).
+
+    Returns one :class:`RecoveryModule` per group of ``plan``. With ``preset.anneal``
+    the activation follows ``schedule`` (set it later with ``module.activation.set_schedule``);
+    otherwise it stays the identity.
+    """
+    model.requires_grad_(False)
+    layers = decoder_layers(model)
+    modules = []
+    for group in plan.groups:
+        compact = [plan.compact_index(i) for i in group.module_layers]
+        act = AnnealedActivation(mlp_activation(layers[compact[0]]), schedule, enabled=preset.anneal)
+        for i, c in enumerate(compact):
+            _wrap_block(layers[c], c, preset.block(i), preset, act)
+        norm = None
+        if group.final_norm:
+            norm = final_norm(model)
+            norm.requires_grad_(preset.train_final_norm)
+        modules.append(RecoveryModule([layers[c] for c in compact], norm, act, group, compact))
+    return modules
+
+
+def has_wrappers(model: nn.Module) -> bool:
+    return any(isinstance(m, WRAPPERS) for m in model.modules())
+
+
+@torch.no_grad()
+def merge_recovery(model: nn.Module) -> int:
+    """Fold every wrapper in ``model`` into a plain module (in place); returns how many.
+
+    Raises :class:`MergeRefused` (before changing anything) while any annealed
+    activation is not the identity.
+    """
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, WRAPPERS)]
+    for name, m in targets:
+        act = getattr(m, "activation", None)
+        if act is not None:
+            act.require_identity(f"'{name}'")
+    # Deepest first, so a wrapper nested in another's base is folded before its parent.
+    for name, m in sorted(targets, key=lambda t: -t[0].count(".")):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, m.merge())
+    return len(targets)
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+__all__ = ["RecoveryModule", "apply_preset", "merge_recovery", "has_wrappers", "count_parameters", "MergeRefused"]

@@ -1,0 +1,1 @@
+"""Which blocks to remove: the pruning criteria behind one registry (CRITERIA)."""

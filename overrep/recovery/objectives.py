@@ -1,0 +1,195 @@
+"""What a recovery method optimises: one small class per training objective.
+
+The :class:`~overrep.recovery.trainer.Trainer` (optimiser, schedule, clipping, checkpoints, resume)
+is the same for every method; an objective supplies the trainable parameters, the loss
+of a micro-batch of training-row indices, and any state of its own.
+
+* :class:`LayerwiseMSE` -- OverRep and the layer-wise baselines (paper ``eq:ours``):
+  mean squared error between each recovery module's output and the dense model's
+  hidden state after the removed segment, on cached (or live) teacher features.
+* :class:`LanguageModeling` -- next-token cross-entropy of the whole pruned model
+  (LoRA, AdaLoRA, full fine-tuning).
+* :class:`LogitDistillation` -- forward KL ``KL(p_teacher || p_student)`` at temperature
+  ``tau`` over the whole vocabulary, the dense model as teacher (logit-KD, OverRep-KD).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.projection import OvercompleteLinear
+
+# indices -> per module {"inputs": [B,T,H], "targets": [B,T,H]}
+BatchSource = Callable[[list[int]], list[dict]]
+
+
+def pretrained_matrix_ids(module: nn.Module) -> set[int]:
+    """ids of pretrained weight matrices: the only tensors that get weight decay.
+
+    W and D (identity-initialised reparameterisations), norms, biases and adapters are
+    never decayed (the reference code decays D towards 0, away from its initialisation).
+    """
+    ids = set()
+    for m in module.modules():
+        if isinstance(m, OvercompleteLinear):
+            ids.add(id(m.base_layer.weight))
+        elif type(m) is nn.Linear:
+            ids.add(id(m.weight))
+    for name, p in module.named_parameters():
+        if name.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3:  # fused experts
+            ids.add(id(p))
+    return ids
+
+
+class Objective:
+    """Interface used by the Trainer; subclasses override what they need."""
+
+    #: the annealed activations this objective's model contains (stepped by the Trainer)
+    activations: list = []
+
+    def parameters(self) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+    def decayed_ids(self) -> set[int]:
+        return set()
+
+    def loss(self, idx: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def validation_loss(self) -> float | None:
+        return None
+
+    def train(self, mode: bool = True) -> None:
+        pass
+
+    def after_optimizer_step(self, step: int) -> None:
+        """Called after ``optimizer.step()`` and before gradients are cleared."""
+
+    def extra_state(self) -> dict:
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
+
+
+def unique_trainable(modules) -> list[nn.Parameter]:
+    seen, out = set(), []
+    for m in modules:
+        for p in m.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+class LayerwiseMSE(Objective):
+    """OverRep's objective: each recovery module reproduces the dense segment's output."""
+
+    def __init__(self, modules, contexts: list[list[dict]], source: BatchSource | None,
+                 val_batch: list[dict] | None = None):
+        self.modules, self.contexts, self.source, self.val_batch = modules, contexts, source, val_batch
+        self.activations = [m.activation for m in modules]
+
+    def parameters(self):
+        return unique_trainable(self.modules)
+
+    def decayed_ids(self):
+        return set().union(*(pretrained_matrix_ids(m) for m in self.modules))
+
+    def batch_loss(self, batch: list[dict]) -> torch.Tensor:
+        losses = []
+        for m, ctx, feats in zip(self.modules, self.contexts, batch):
+            p = next(m.parameters())
+            pred = m(feats["inputs"].to(p.device, p.dtype), ctx)
+            losses.append(F.mse_loss(pred.float(), feats["targets"].to(p.device).float()))
+        return torch.stack(losses).mean()
+
+    def loss(self, idx):
+        return self.batch_loss(self.source(idx))
+
+    @torch.no_grad()
+    def validation_loss(self):
+        if not self.val_batch:
+            return None
+        self.train(False)
+        loss = self.batch_loss(self.val_batch).item()
+        self.train(True)
+        return loss
+
+    def train(self, mode=True):
+        for m in self.modules:
+            m.train(mode)
+
+
+class _WholeModel(Objective):
+    """Shared by the objectives that run the whole pruned model on token rows."""
+
+    def __init__(self, model: nn.Module, train_ids: torch.Tensor, val_ids: torch.Tensor | None,
+                 params: list[nn.Parameter] | None = None, activations: list | None = None,
+                 decayed: set[int] | None = None):
+        """``params``: what trains (default: every trainable parameter of ``model``);
+        ``decayed``: ids of the parameters given weight decay (default: pretrained matrices)."""
+        self.model, self.train_ids, self.val_ids = model, train_ids, val_ids
+        self._params, self._decayed = params, decayed
+        self.activations = activations or []
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    def parameters(self):
+        return self._params if self._params is not None else unique_trainable([self.model])
+
+    def decayed_ids(self):
+        return pretrained_matrix_ids(self.model) if self._decayed is None else self._decayed
+
+    def rows_loss(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, idx):
+        return self.rows_loss(self.train_ids[idx].to(self.device))
+
+    @torch.no_grad()
+    def validation_loss(self):
+        if self.val_ids is None:
+            return None
+        self.train(False)
+        losses = [self.rows_loss(self.val_ids[i:i + 4].to(self.device)).item()
+                  for i in range(0, self.val_ids.shape[0], 4)]
+        self.train(True)
+        return sum(losses) / len(losses)
+
+    def train(self, mode=True):
+        self.model.train(mode)
+
+
+class LanguageModeling(_WholeModel):
+    """Mean next-token cross-entropy (plus whatever regulariser the model adds to it,
+    e.g. AdaLoRA's orthogonality penalty, which PEFT adds when labels are passed)."""
+
+    def rows_loss(self, ids):
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+class LogitDistillation(_WholeModel):
+    """Forward KL from the dense teacher's next-token distribution, temperature ``tau``
+    (loss scaled by ``tau**2`` so its gradient scale does not depend on ``tau``)."""
+
+    def __init__(self, model, teacher: nn.Module, train_ids, val_ids, params=None, activations=None,
+                 decayed=None, tau: float = 1.0):
+        super().__init__(model, train_ids, val_ids, params, activations, decayed)
+        self.teacher, self.tau = teacher, tau
+
+    def rows_loss(self, ids):
+        with torch.no_grad():
+            t = self.teacher(input_ids=ids, use_cache=False).logits.float()
+            log_t = F.log_softmax(t / self.tau, dim=-1)
+            del t
+        s = self.model(input_ids=ids, use_cache=False).logits.float()
+        log_s = F.log_softmax(s / self.tau, dim=-1)
+        kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)
+        return kl.mean() * self.tau ** 2

@@ -1,0 +1,32 @@
+"""The epoch sampler: shuffled sample-index batches, a pure function of (seed, epoch), so a resumed run skips exactly what it trained."""
+
+from __future__ import annotations
+
+import random
+
+
+from ..errors import OverRepError
+
+
+def epoch_batches(
+    num_samples: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool = True
+) -> list[list[int]]:
+    """Shuffled sample-index batches for one epoch, a pure function of (seed, epoch).
+
+    Uses Python's ``random.Random`` seeded with a string (sha512-based, stable across
+    Python versions and independent of torch), so a resumed run can recompute the same
+    epoch and skip the batches it already trained on.
+    """
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise OverRepError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if num_samples < 0:
+        raise OverRepError(f"num_samples must be non-negative, got {num_samples}")
+    if drop_last and num_samples < batch_size:
+        raise OverRepError(
+            f"batch_size {batch_size} exceeds the {num_samples} cached samples, so an epoch has no full batch; "
+            "lower the batch size or use more calibration samples"
+        )
+    order = list(range(num_samples))
+    random.Random(f"overrep-epoch:{seed}:{epoch}").shuffle(order)
+    stop = num_samples - num_samples % batch_size if drop_last else num_samples
+    return [order[i:i + batch_size] for i in range(0, stop, batch_size)]

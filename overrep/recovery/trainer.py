@@ -1,0 +1,223 @@
+"""Recovery training: one loop for every method, with checkpoints, exact resume and a NaN guard.
+
+The loss comes from an :mod:`objective <overrep.recovery.objectives>` (layer-wise MSE for OverRep,
+language modelling or logit distillation for the baselines); everything else is shared.
+
+Optimiser: AdamW (betas 0.9/0.95). Weight decay only on pretrained matrices: W is
+decayed towards 0 by nothing and D is never pulled towards 0 (the reference code decays
+D towards 0, away from its identity initialisation). Learning rate: linear warm-up,
+cosine to ``lr * min_lr_ratio``. The annealed activation follows its own schedule
+(:mod:`overrep.core.schedule`), stepped here.
+
+Resume is exact: the batch order is a pure function of (seed, epoch), and a checkpoint
+holds the trainable tensors, the optimiser, the step and the history, so a run killed
+at any point and resumed reaches the same weights as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from ..atomic import save_torch, write_text
+from .sampler import epoch_batches
+from ..errors import OverRepError
+from .objectives import Objective
+from ..core.schedule import AlphaSchedule
+
+if TYPE_CHECKING:  # the config is typed here, built in the app layer
+    from ..app.config import RecoveryConfig
+
+log = logging.getLogger(__name__)
+
+
+def make_optimizer(objective: Objective, cfg: RecoveryConfig) -> torch.optim.AdamW:
+    params = objective.parameters()
+    if not params:
+        raise OverRepError("the recovery method has no trainable parameters (check the preset)")
+    dec = objective.decayed_ids()
+    decay = [p for p in params if id(p) in dec]
+    no_decay = [p for p in params if id(p) not in dec]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
+    warm = max(1, int(round(warmup_ratio * total)))
+    if step < warm:
+        return (step + 1) / warm
+    t = (step - warm) / max(1, total - warm)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def trainable_state(objective: Objective) -> dict:
+    """Only what training changes: trainable tensors (in the objective's fixed order),
+    the annealed activations' state and the objective's own state."""
+    return {"tensors": [p.detach().clone() for p in objective.parameters()],
+            "activations": [a.get_extra_state() for a in objective.activations],
+            "extra": objective.extra_state()}
+
+
+def load_trainable_state(objective: Objective, state: dict) -> None:
+    params = objective.parameters()
+    tensors = state.get("tensors", [])
+    if len(tensors) != len(params) or any(t.shape != p.shape for t, p in zip(tensors, params)):
+        raise OverRepError("checkpoint tensors do not fit this run's trainable parameters")
+    with torch.no_grad():
+        for p, t in zip(params, tensors):
+            p.copy_(t)
+    for a, s in zip(objective.activations, state.get("activations", [])):
+        a.set_extra_state(s)
+    objective.load_extra_state(state.get("extra", {}))
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    seconds: float
+    tokens: int
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Trainer:
+    """Optimises ``objective`` for ``total_steps`` steps; checkpoints into ``ckpt_dir``."""
+
+    def __init__(self, objective: Objective, num_samples: int, cfg: RecoveryConfig, total_steps: int,
+                 ckpt_dir: Path, tokens_per_sample: int = 0, fingerprint: str = "", progress: bool = True):
+        self.objective = objective
+        self.num_samples, self.cfg, self.total = num_samples, cfg, total_steps
+        self.ckpt_dir, self.fingerprint, self.progress = Path(ckpt_dir), fingerprint, progress
+        self.tokens_per_sample = tokens_per_sample
+        self.micro = cfg.batch_size
+        self.per_step = cfg.batch_size * cfg.grad_accum
+        if num_samples < self.per_step:
+            raise OverRepError(f"batch_size x grad_accum = {self.per_step} exceeds the {num_samples} training "
+                               "sequences; lower the batch or add data")
+        self.steps_per_epoch = num_samples // self.per_step
+        schedule = AlphaSchedule(total_steps, cfg.alpha_warmup_ratio, cfg.alpha_linear_ratio)
+        for a in objective.activations:
+            a.set_schedule(schedule)
+        self.opt = make_optimizer(objective, cfg)
+        self.step = 0
+        self.history: list[dict] = []
+        self.seconds = 0.0
+
+    # ---- data --------------------------------------------------------------------
+    def batch_indices(self, step: int) -> list[int]:
+        epoch, i = divmod(step, self.steps_per_epoch)
+        return epoch_batches(self.num_samples, self.per_step, seed=self.cfg.seed, epoch=epoch)[i]
+
+    @property
+    def alpha(self) -> float:
+        return self.objective.activations[0].alpha if self.objective.activations else 0.0
+
+    # ---- checkpoints -------------------------------------------------------------
+    def _ckpt_path(self, step: int) -> Path:
+        return self.ckpt_dir / f"step-{step:06d}.pt"
+
+    def latest_checkpoint(self) -> Path | None:
+        found = sorted(self.ckpt_dir.glob("step-*.pt")) if self.ckpt_dir.is_dir() else []
+        return found[-1] if found else None
+
+    def save_checkpoint(self) -> Path:
+        path = self._ckpt_path(self.step)
+        state = {"step": self.step, "total_steps": self.total, "fingerprint": self.fingerprint,
+                 "trainable": trainable_state(self.objective), "optimizer": self.opt.state_dict(),
+                 "history": self.history, "seconds": self.seconds, "rng": torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        save_torch(path, state, "checkpoint")
+        for old in sorted(self.ckpt_dir.glob("step-*.pt"))[:-2]:  # keep the two newest
+            old.unlink(missing_ok=True)
+        return path
+
+    def resume(self) -> bool:
+        """Load the newest checkpoint if there is one; returns whether it did."""
+        path = self.latest_checkpoint()
+        if path is None:
+            return False
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # a torn or corrupt file
+            raise OverRepError(f"checkpoint {path} cannot be read ({type(e).__name__}); delete it to resume "
+                               "from the one before") from None
+        if state.get("fingerprint") != self.fingerprint or state.get("total_steps") != self.total:
+            raise OverRepError(f"checkpoint {path} belongs to a different configuration; start a new output "
+                               "folder or pass --overwrite")
+        load_trainable_state(self.objective, state["trainable"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.step, self.history, self.seconds = state["step"], state["history"], state["seconds"]
+        if state.get("rng") is not None:  # dropout (LoRA) draws from it: resume draws the same masks
+            torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        log.info("resumed from %s (step %d of %d)", path, self.step, self.total)
+        return True
+
+    # ---- the loop ----------------------------------------------------------------
+    def run(self) -> TrainResult:
+        cfg, obj = self.cfg, self.objective
+        obj.train(True)
+        bar = tqdm(total=self.total, initial=self.step, desc="recovery", unit="step", disable=not self.progress,
+                   dynamic_ncols=True)
+        try:
+            while self.step < self.total:
+                t0 = time.perf_counter()
+                for a in obj.activations:
+                    a.set_step(self.step)
+                for g in self.opt.param_groups:
+                    g["lr"] = cfg.lr * lr_factor(self.step, self.total, cfg.warmup_ratio, cfg.min_lr_ratio)
+                idx = self.batch_indices(self.step)
+                self.opt.zero_grad(set_to_none=True)
+                total = 0.0
+                for k in range(cfg.grad_accum):
+                    loss = obj.loss(idx[k * self.micro:(k + 1) * self.micro]) / cfg.grad_accum
+                    if not torch.isfinite(loss):
+                        last = self.latest_checkpoint()
+                        raise OverRepError(f"loss became {loss.item()} at step {self.step}; last good checkpoint: "
+                                           f"{last or 'none'} (lower recovery.lr, or check the data)")
+                    loss.backward()
+                    total += loss.item()
+                params = [p for g in self.opt.param_groups for p in g["params"]]
+                gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+                if not torch.isfinite(gnorm):
+                    raise OverRepError(f"gradient norm became {gnorm.item()} at step {self.step}; last good "
+                                       f"checkpoint: {self.latest_checkpoint() or 'none'} (lower recovery.lr)")
+                self.opt.step()
+                obj.after_optimizer_step(self.step)
+                self.step += 1
+                self.seconds += time.perf_counter() - t0
+                rec = {"step": self.step, "loss": total, "lr": self.opt.param_groups[0]["lr"],
+                       "alpha": self.alpha, "grad_norm": float(gnorm)}
+                if self.step % cfg.eval_every == 0 or self.step == self.total:
+                    rec["val_loss"] = obj.validation_loss()
+                self.history.append(rec)
+                bar.update(1)
+                bar.set_postfix(loss=f"{total:.4g}", alpha=f"{rec['alpha']:.2f}", lr=f"{rec['lr']:.2g}")
+                if self.step % cfg.checkpoint_every == 0 or self.step == self.total:
+                    self.save_checkpoint()
+        except KeyboardInterrupt:
+            bar.close()
+            path = self.save_checkpoint() if self.step > 0 else None
+            raise OverRepError(f"interrupted at step {self.step} of {self.total}; progress saved to {path}; "
+                               "rerun with --resume to continue") from None
+        bar.close()
+        for a in obj.activations:
+            a.set_step(self.total)
+        obj.train(False)
+        tokens = self.tokens_per_sample * self.per_step * len(self.history)
+        return TrainResult(self.total, self.seconds, tokens, self.history)
+
+    def write_log(self, path: Path) -> None:
+        write_text(path, "".join(json.dumps(r) + "\n" for r in self.history), "the training log")
