@@ -8,9 +8,9 @@ Face model. A method only decides *what* trains and *which* objective it minimis
 =============  ===============================================  ======================
 method         what trains                                      objective
 =============  ===============================================  ======================
-overrep        recovery blocks, overcomplete (``recovery.preset``)  layer-wise MSE
-plain          the same recovery blocks without W, D, annealing     layer-wise MSE
-streamline     one block replaces the removed run (all weights)     layer-wise MSE
+overrep        recovery blocks, overcomplete (``recovery.preset``)  layer-wise (``recovery.loss``)
+plain          the same recovery blocks without W, D, annealing     layer-wise (``recovery.loss``)
+streamline     one block replaces the removed run (all weights)     layer-wise (``recovery.loss``)
 lora           PEFT LoRA on every projection of every block          language modelling
 adalora        PEFT AdaLoRA (rank re-allocated every step)           language modelling
 lora-iso       LoRA whose rank matches OverRep's trainable count     language modelling
@@ -38,8 +38,10 @@ from torch import nn
 
 from .arch import block_parts, decoder_layers
 from .errors import OverRepError
-from .objectives import (LanguageModeling, LayerwiseMSE, LogitDistillation, Objective, pretrained_matrix_ids,
+from .objectives import (Layerwise, LanguageModeling, LogitDistillation, Objective, pretrained_matrix_ids,
                          unique_trainable)
+from .losses import (Tail, cached_fisher, cached_topk, centred_gram, downstream_gain, parse_loss,
+                     teacher_topk)
 from .presets import get_preset
 from .recovery import apply_preset, capture_layer_context, merge_recovery, module_context
 
@@ -157,8 +159,42 @@ class LayerwiseRecovery(Recovery):
         full_ctx = capture_layer_context(pipe.pruned, pipe.cfg.data.seq_len)
         self.contexts = [module_context(full_ctx, m) for m in self.modules]
         self.val_probe = pipe.teacher_batch(pipe.heldout_ids[:16])
+        r = pipe.cfg.recovery
+        self.loss = r.loss
+        phases = parse_loss(r.loss)
+        aux = self.loss_constants(pipe, phases, full_ctx) if with_data else None
         source = pipe.features() if with_data else None
-        self.objective = LayerwiseMSE(self.modules, self.contexts, source, self.val_probe)
+        if with_data and "kl-topk" in phases:
+            values, indices = cached_topk(pipe)
+            source = _with_topk(source, values, indices)
+            v, i = teacher_topk(pipe.dense, pipe.heldout_ids[:16], r.loss_topk)
+            self.val_probe = [{**f, "topk_values": v, "topk_indices": i} for f in self.val_probe]
+        n_ppl = getattr(r, "val_ppl_sequences", 8)
+        self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, loss=r.loss, aux=aux,
+                                   lam=r.loss_lambda, switch=r.loss_switch, total_steps=pipe.total_steps,
+                                   ppl_model=pipe.pruned if n_ppl else None,
+                                   ppl_ids=pipe.heldout_ids[:n_ppl] if n_ppl else None)
+
+    def loss_constants(self, pipe, phases: list[str], full_ctx: list[dict]) -> list[dict]:
+        """Per module, what its loss needs besides the features (see :mod:`overrep.losses`)."""
+        aux: list[dict] = [{} for _ in self.modules]
+        fisher = cached_fisher(pipe) if "fisher" in phases else None
+        gram = centred_gram(pipe.dense) if "logit" in phases else None
+        for i, (m, g) in enumerate(zip(self.modules, pipe.plan.groups)):
+            device = next(m.parameters()).device
+            if "normed" in phases and not g.final_norm:
+                aux[i]["gain"] = downstream_gain(pipe.dense, g).to(device)
+            if fisher is not None:
+                aux[i]["fisher"] = fisher[i].to(device)
+            if gram is not None:
+                if not g.final_norm:
+                    raise OverRepError(f"recovery.loss 'logit' needs a module that ends at the final norm; the "
+                                       f"module ending at block {g.target_layer} does not (use normed, fisher or "
+                                       "kl-topk)")
+                aux[i]["gram"] = gram.to(device)
+            if "kl-topk" in phases:
+                aux[i]["tail"] = Tail(pipe.pruned, m, full_ctx)
+        return aux
 
     @torch.no_grad()
     def finish(self) -> dict:
@@ -171,7 +207,15 @@ class LayerwiseRecovery(Recovery):
         return {"merged_wrappers": merged, **out}
 
     def describe(self) -> dict:
-        return {**super().describe(), "preset": self.preset.to_dict()}
+        return {**super().describe(), "preset": self.preset.to_dict(), "loss": self.loss}
+
+
+def _with_topk(source, values: torch.Tensor, indices: torch.Tensor):
+    def wrapped(idx):
+        batch = source(idx)
+        v, i = values[idx], indices[idx]
+        return [{**f, "topk_values": v, "topk_indices": i} for f in batch]
+    return wrapped
 
 
 class OvercompleteKDRecovery(Recovery):
