@@ -60,7 +60,7 @@ def model_fingerprint(model, source: str) -> str:
     h.update(model.config.to_json_string(use_diff=False).encode())
     for name, p in model.state_dict().items():
         h.update(name.encode())
-        h.update(p.detach().reshape(-1)[:4096].float().numpy().tobytes())
+        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -286,7 +286,7 @@ class Pipeline:
 
         def produce(rows: range) -> dict:
             feats = self.teacher_batch(self.train_ids[rows.start:rows.stop])
-            return {f"{k}_{g}": f[k] for g, f in enumerate(feats) for k in ("inputs", "targets")}
+            return {f"{k}_{g}": f[k].cpu() for g, f in enumerate(feats) for k in ("inputs", "targets")}
 
         t0 = time.perf_counter()
         self.cache = build_or_open(path, fingerprint=fp, num_samples=self.train_ids.shape[0],
