@@ -58,10 +58,11 @@ class RecoveryConfig:
     lora_rank: int = 16  # lora / adalora: rank r (adalora starts at 2r and allocates down to an average of r)
     lora_alpha: float = 32.0  # lora / adalora: scaling alpha (lora-iso keeps alpha / r)
     lora_dropout: float = 0.05  # lora / adalora: dropout on the adapter input
-    loss: str = "mse"  # overrep / plain / streamline: layer-wise loss, mse | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`)
+    loss: str = "kl-topk"  # overrep / plain / streamline: layer-wise loss, mse (the paper's) | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`; chosen by held-out perplexity, docs/losses.md)
     loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term
     loss_switch: float = 0.5  # A>B losses: fraction of the steps after which B replaces A
-    loss_topk: int = 64  # kl-topk: teacher logits cached per token
+    loss_topk: int = 64  # kl-topk: teacher log-probabilities cached per token
+    loss_topk_rest: bool = True  # kl-topk: add one bucket for all tokens outside the top-K (else renormalise on it)
     fisher_sequences: int = 32  # fisher: training rows the diagonal Fisher is estimated on
     val_ppl_sequences: int = 8  # held-out rows scored for val_ppl every eval_every steps (0: off)
     kd_tau: float = 1.0  # logit-kd / overrep-kd: distillation temperature

@@ -6,7 +6,7 @@ with the dense model's hidden state ``h`` at the same point. :data:`LOSSES` is t
 registry (the CLI help, the config validation and ``overrep methods`` read it).
 
 * ``mse`` -- mean squared error on the raw hidden state (the paper's objective,
-  bit-identical to the project's original ``LayerwiseMSE``).
+  bit-identical to the project's original ``LayerwiseMSE``; ``--loss mse`` reproduces it).
 * ``normed`` -- the comparison the next block actually sees: both states RMS-normalised,
   weighted per channel by the downstream norm's gain γ (the input norm of the dense
   block the target feeds, or the final norm), plus ``λ·(log rms ĥ − log rms h)²`` to keep
@@ -19,10 +19,14 @@ registry (the CLI help, the config validation and ``overrep methods`` read it).
   LM head, ``δᵀGδ / V`` with ``G = W_Uᵀ(I − 11ᵀ/V)W_U`` (d × d, built once), exact and as
   cheap as an MSE. Refused for a module inside the network.
 * ``kl-topk`` -- the module's output runs through the remaining frozen blocks, the final
-  norm and the LM head; forward KL to the dense model's top-K next-token distribution
-  (cached once, renormalised on its support). Equals the full KL when K = vocabulary.
+  norm and the LM head; forward KL to the dense model's top-K next-token log-probabilities
+  (cached once), over K + 1 outcomes: the K tokens and one bucket for all the others
+  (``recovery.loss_topk_rest``; off: renormalised on the K tokens, blind to the mass the
+  student puts elsewhere, measured far worse). Equals the full KL when K = vocabulary.
+  The default: lowest held-out perplexity on every mask measured (docs/losses.md).
 * ``A>B`` (e.g. ``normed>kl-topk``) -- loss A, then loss B from ``recovery.loss_switch``
   (fraction of the steps) on.
+
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ LOSSES: dict[str, str] = {
     "logit": "centred-logit MSE through the LM head's Gram matrix (modules ending at the final norm)",
     "kl-topk": "KL to the dense model's cached top-K logits, through the remaining frozen blocks",
 }
+
+
+def module_phases(spec: str, final_norm: bool) -> list[str]:
+    """The phases one module trains with (the same for every module today; the module's
+    place, ``final_norm``, is where a per-module rule would go)."""
+    return parse_loss(spec)
 
 
 def parse_loss(spec: str) -> list[str]:
@@ -182,13 +192,14 @@ def cached_fisher(pipe) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def teacher_topk(dense: nn.Module, ids: torch.Tensor, k: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dense model's top-``k`` next-token logits of every position: values (fp32) and
-    vocabulary indices (int32), each ``[N, T, k]``."""
+    """The dense model's top-``k`` next-token log-probabilities of every position: values
+    (fp32; their softmax is the renormalised top-k distribution, ``1 − Σ exp`` the mass
+    outside it) and vocabulary indices (int32), each ``[N, T, k]``."""
     device = next(dense.parameters()).device
     vals, idx = [], []
     for i in range(0, ids.shape[0], batch):
         logits = dense(input_ids=ids[i:i + batch].to(device), use_cache=False).logits.float()
-        v, j = logits.topk(min(k, logits.shape[-1]), dim=-1)
+        v, j = F.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
         vals.append(v.cpu())
         idx.append(j.to(torch.int32).cpu())
     return torch.cat(vals), torch.cat(idx)
@@ -202,7 +213,8 @@ def cached_topk(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     fp = pipe.cache_fingerprint()
     root = Path(pipe.cfg.cache.dir) if pipe.cfg.cache.dir else default_cache_root()
     path = _cache_file(root, "topk", {"model": fp["model"], "data": str(fp["data"]), "seq_len": fp["seq_len"],
-                                      "dtype": fp["model_dtype"], "k": k, "rows": pipe.train_ids.shape[0]})
+                                      "dtype": fp["model_dtype"], "k": k, "rows": pipe.train_ids.shape[0],
+                                      "values": "log-probabilities"})
     got = _load(path)
     if got is not None:
         log.info("top-%d logits: reusing %s", k, path)
@@ -261,11 +273,27 @@ def logit_loss(pred: torch.Tensor, target: torch.Tensor, gram: torch.Tensor) -> 
     return ((d @ gram) * d).sum(-1).mean()
 
 
-def topk_kl(logits: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Forward KL(p_teacher || p_student) on the teacher's top-K support, both renormalised."""
-    log_p = F.log_softmax(values.float(), dim=-1)
-    log_q = F.log_softmax(logits.gather(-1, indices.long()), dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+def topk_kl(logits: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, rest: bool = False) -> torch.Tensor:
+    """Forward KL(p_teacher || p_student) on the teacher's top-K support.
+
+    ``rest=False``: both distributions renormalised on the support (blind to the mass the
+    student puts elsewhere). ``rest=True``: K + 1 outcomes, the support plus one bucket
+    for every other token, so mass outside the support is penalised (``values`` must be
+    the teacher's log-probabilities). Both equal the full KL when K = vocabulary size.
+    """
+    if not rest:
+        log_p = F.log_softmax(values.float(), dim=-1)
+        log_q = F.log_softmax(logits.gather(-1, indices.long()), dim=-1)
+        return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    log_p = values.float()
+    lse = logits.logsumexp(-1, keepdim=True)
+    log_q = logits.gather(-1, indices.long()) - lse
+    p_rest = (1 - log_p.exp().sum(-1)).clamp_min(0)
+    q_rest = (1 - log_q.exp().sum(-1)).clamp_min(1e-12)
+    kl_support = (log_p.exp() * (log_p - log_q)).sum(-1)
+    kl_rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-12).log() - q_rest.log()),
+                          torch.zeros_like(p_rest))
+    return (kl_support + kl_rest).mean()
 
 
 __all__ = ["LOSSES", "parse_loss", "loss_help", "normed_loss", "weighted_mse", "logit_loss", "topk_kl",

@@ -40,7 +40,7 @@ from .arch import block_parts, decoder_layers
 from .errors import OverRepError
 from .objectives import (Layerwise, LanguageModeling, LogitDistillation, Objective, pretrained_matrix_ids,
                          unique_trainable)
-from .losses import (Tail, cached_fisher, cached_topk, centred_gram, downstream_gain, parse_loss,
+from .losses import (Tail, cached_fisher, cached_topk, centred_gram, downstream_gain, module_phases,
                      teacher_topk)
 from .presets import get_preset
 from .recovery import apply_preset, capture_layer_context, merge_recovery, module_context
@@ -161,8 +161,9 @@ class LayerwiseRecovery(Recovery):
         self.val_probe = pipe.teacher_batch(pipe.heldout_ids[:16])
         r = pipe.cfg.recovery
         self.loss = r.loss
-        phases = parse_loss(r.loss)
-        aux = self.loss_constants(pipe, phases, full_ctx) if with_data else None
+        per_module = [module_phases(r.loss, g.final_norm) for g in pipe.plan.groups]
+        phases = sorted({p for ph in per_module for p in ph})
+        aux = self.loss_constants(pipe, per_module, full_ctx) if with_data else None
         source = pipe.features() if with_data else None
         if with_data and "kl-topk" in phases:
             values, indices = cached_topk(pipe)
@@ -173,20 +174,22 @@ class LayerwiseRecovery(Recovery):
         self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, loss=r.loss, aux=aux,
                                    lam=r.loss_lambda, switch=r.loss_switch, total_steps=pipe.total_steps,
                                    ppl_model=pipe.pruned if n_ppl else None,
-                                   ppl_ids=pipe.heldout_ids[:n_ppl] if n_ppl else None)
+                                   ppl_ids=pipe.heldout_ids[:n_ppl] if n_ppl else None,
+                                   topk_rest=r.loss_topk_rest)
 
-    def loss_constants(self, pipe, phases: list[str], full_ctx: list[dict]) -> list[dict]:
+    def loss_constants(self, pipe, per_module: list[list[str]], full_ctx: list[dict]) -> list[dict]:
         """Per module, what its loss needs besides the features (see :mod:`overrep.losses`)."""
         aux: list[dict] = [{} for _ in self.modules]
-        fisher = cached_fisher(pipe) if "fisher" in phases else None
-        gram = centred_gram(pipe.dense) if "logit" in phases else None
-        for i, (m, g) in enumerate(zip(self.modules, pipe.plan.groups)):
+        every = {p for ph in per_module for p in ph}
+        fisher = cached_fisher(pipe) if "fisher" in every else None
+        gram = centred_gram(pipe.dense) if "logit" in every else None
+        for i, (m, g, phases) in enumerate(zip(self.modules, pipe.plan.groups, per_module)):
             device = next(m.parameters()).device
             if "normed" in phases and not g.final_norm:
                 aux[i]["gain"] = downstream_gain(pipe.dense, g).to(device)
-            if fisher is not None:
+            if "fisher" in phases:
                 aux[i]["fisher"] = fisher[i].to(device)
-            if gram is not None:
+            if "logit" in phases:
                 if not g.final_norm:
                     raise OverRepError(f"recovery.loss 'logit' needs a module that ends at the final norm; the "
                                        f"module ending at block {g.target_layer} does not (use normed, fisher or "

@@ -104,20 +104,23 @@ class Layerwise(Objective):
 
     def __init__(self, modules, contexts: list[list[dict]], source: BatchSource | None,
                  val_batch: list[dict] | None = None, loss: str = "mse", aux: list[dict] | None = None,
-                 lam: float = 0.1, switch: float = 0.5, total_steps: int = 1, ppl_model=None, ppl_ids=None):
-        from .losses import parse_loss
+                 lam: float = 0.1, switch: float = 0.5, total_steps: int = 1, ppl_model=None, ppl_ids=None,
+                 topk_rest: bool = False):
+        from .losses import module_phases
 
         self.modules, self.contexts, self.source, self.val_batch = modules, contexts, source, val_batch
         self.activations = [m.activation for m in modules]
-        self.phases = parse_loss(loss)
+        self.phases = [module_phases(loss, m.norm is not None) for m in modules]
         self.aux = aux or [{} for _ in modules]
         self.lam, self.switch_step = lam, int(round(switch * total_steps))
         self.ppl_model, self.ppl_ids = ppl_model, ppl_ids
+        self.topk_rest = topk_rest
         self.step = 0
 
-    @property
-    def current(self) -> str:
-        return self.phases[-1] if len(self.phases) > 1 and self.step >= self.switch_step else self.phases[0]
+    def current(self, i: int) -> str:
+        """The loss module ``i`` trains with now."""
+        phases = self.phases[i]
+        return phases[-1] if len(phases) > 1 and self.step >= self.switch_step else phases[0]
 
     def parameters(self):
         return unique_trainable(self.modules)
@@ -141,16 +144,16 @@ class Layerwise(Objective):
             return losses.logit_loss(pred.float(), target.float(), aux["gram"])
         if name == "kl-topk":
             logits = aux["tail"](pred)
-            return losses.topk_kl(logits, feats["topk_values"].to(pred.device), feats["topk_indices"].to(pred.device))
+            return losses.topk_kl(logits, feats["topk_values"].to(pred.device), feats["topk_indices"].to(pred.device),
+                                  rest=self.topk_rest)
         raise AssertionError(name)
 
-    def batch_loss(self, batch: list[dict], name: str | None = None) -> torch.Tensor:
-        name = name or self.current
+    def batch_loss(self, batch: list[dict]) -> torch.Tensor:
         losses = []
-        for m, ctx, feats, aux in zip(self.modules, self.contexts, batch, self.aux):
+        for i, (m, ctx, feats, aux) in enumerate(zip(self.modules, self.contexts, batch, self.aux)):
             p = next(m.parameters())
             pred = m(feats["inputs"].to(p.device, p.dtype), ctx)
-            losses.append(self.module_loss(name, pred, feats, aux))
+            losses.append(self.module_loss(self.current(i), pred, feats, aux))
         return torch.stack(losses).mean()
 
     def loss(self, idx):
