@@ -126,8 +126,8 @@ def test_full_ft_trains_every_block_and_nothing_else(assets, tmp_path):
 
 
 def test_non_contiguous_mask_is_recovered_segment_by_segment(assets, tmp_path):
-    p = Pipeline(tiny_cfg(assets, tmp_path / "nc", prune__remove="1,4", recovery__steps=12, **FAST),
-                 progress=False)
+    p = Pipeline(tiny_cfg(assets, tmp_path / "nc", prune__remove="1,4", recovery__steps=12, recovery__loss="mse",
+                          **FAST), progress=False)
     p.prepare_output()
     p.load()
     p.prune()

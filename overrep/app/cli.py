@@ -34,6 +34,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--remove", help="explicit blocks to remove, e.g. 21-28 or 3,5,7-9")
     p.add_argument("--method", help="recovery method (see `overrep methods`; default overrep)")
     p.add_argument("--criterion", help="pruning criterion: last | block-influence | cosine | laco")
+    from ..recovery.losses import LOSSES
+
+    p.add_argument("--loss", help=f"layer-wise loss: {' | '.join(LOSSES)}, or A>B (see `overrep methods`)")
     p.add_argument("--preset", help="recovery preset name or .yaml file")
     p.add_argument("--output", help="output folder")
     p.add_argument("--max-steps", type=int, help="recovery optimiser steps")
@@ -50,7 +53,7 @@ def _config(args):
     overrides = list(args.set)
     given = {item.split("=", 1)[0].strip() for item in overrides}
     for flag, key in (("model", "model.source"), ("preset", "recovery.preset"), ("output", "output"),
-                      ("max_steps", "recovery.steps"), ("method", "recovery.method"),
+                      ("max_steps", "recovery.steps"), ("method", "recovery.method"), ("loss", "recovery.loss"),
                       ("criterion", "prune.criterion")):
         if getattr(args, flag, None) is not None:
             if key in given:
@@ -261,6 +264,11 @@ def cmd_methods(args) -> int:
     print("recovery methods (recovery.method):")
     for name, m in METHODS.items():
         print(f"  {name:12s} {m.description} [lr {m.default_lr:g}]")
+    from ..recovery.losses import LOSSES
+
+    print("layer-wise losses (recovery.loss; overrep, plain, streamline; A>B: A, then B from recovery.loss_switch):")
+    for name, text in LOSSES.items():
+        print(f"  {name:12s} {text}")
     print("pruning criteria (prune.criterion):")
     for name, c in CRITERIA.items():
         print(f"  {name:16s} {(c.__doc__ or '').strip().splitlines()[0]}")

@@ -60,6 +60,13 @@ class RecoveryConfig:
     lora_rank: int = 16  # lora / adalora: rank r (adalora starts at 2r and allocates down to an average of r)
     lora_alpha: float = 32.0  # lora / adalora: scaling alpha (lora-iso keeps alpha / r)
     lora_dropout: float = 0.05  # lora / adalora: dropout on the adapter input
+    loss: str = "kl-topk"  # overrep / plain / streamline: layer-wise loss, mse (the paper's) | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`; chosen by held-out perplexity, docs/losses.md)
+    loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term
+    loss_switch: float = 0.5  # A>B losses: fraction of the steps after which B replaces A
+    loss_topk: int = 64  # kl-topk: teacher log-probabilities cached per token
+    loss_topk_rest: bool = True  # kl-topk: add one bucket for all tokens outside the top-K (else renormalise on it)
+    fisher_sequences: int = 32  # fisher: training rows the diagonal Fisher is estimated on
+    val_ppl_sequences: int = 8  # held-out rows scored for val_ppl every eval_every steps (0: off)
     kd_tau: float = 1.0  # logit-kd / overrep-kd: distillation temperature
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
     eval_every: int = 50  # steps between validation-loss measurements
@@ -182,6 +189,13 @@ class RunConfig:
         if p.remove is None and p.criterion not in CRITERIA:
             raise OverRepError(f"unknown prune.criterion '{p.criterion}'; available: {', '.join(CRITERIA)}")
         get_preset(METHODS[r.method].preset or r.preset)  # a bad name or preset file fails here, not mid-run
+        from ..recovery.losses import parse_loss
+
+        parse_loss(r.loss)
+        if r.loss_lambda < 0 or not 0 <= r.loss_switch <= 1 or r.loss_topk < 1 or r.fisher_sequences < 1 \
+                or r.val_ppl_sequences < 0:
+            raise OverRepError("recovery.loss_lambda must be >= 0, loss_switch in [0, 1], loss_topk and "
+                               "fisher_sequences >= 1, val_ppl_sequences >= 0")
         if r.lora_rank < 1 or r.kd_tau <= 0:
             raise OverRepError("recovery.lora_rank must be >= 1 and recovery.kd_tau > 0")
         if p.calibration_sequences < 1:

@@ -62,7 +62,7 @@ def model_fingerprint(model, source: str) -> str:
     h.update(model.config.to_json_string(use_diff=False).encode())
     for name, p in model.state_dict().items():
         h.update(name.encode())
-        h.update(p.detach().reshape(-1)[:4096].float().numpy().tobytes())
+        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -194,7 +194,7 @@ class Pipeline:
             return get_criterion(name)(self.dense, n, None)
         key = _digest({"criterion": name, "n": n, "model": self.model_fp,
                        "calibration": hashlib.sha256(calibration.cpu().numpy().tobytes()).hexdigest()})
-        root = Path(self.cfg.cache.dir) if self.cfg.cache.dir else default_cache_root()
+        root = self.cache_root
         path = root / "criteria" / f"{name}-{key}.pt"
         if path.is_file():
             try:
@@ -283,6 +283,11 @@ class Pipeline:
         return recovery_account(self.dense.config, self.plan.removed, r.preset, blocks=r.blocks,
                                 block1_init=r.block1_init)["trainable_params"]
 
+    @property
+    def cache_root(self) -> Path:
+        """Where features, criterion results and loss constants are cached (``cache.dir``)."""
+        return Path(self.cfg.cache.dir) if self.cfg.cache.dir else default_cache_root()
+
     def cache_fingerprint(self) -> dict:
         return {"model": self.model_fp, "plan": self.plan.to_dict(), "data": self.data_info.get("train_fingerprint"),
                 "seq_len": self.cfg.data.seq_len, "model_dtype": self.cfg.model.dtype}
@@ -293,13 +298,13 @@ class Pipeline:
         if cfg.cache.mode == "live":
             return lambda idx: teacher_features(self.dense, self.train_ids[idx], groups)
         fp = self.cache_fingerprint()
-        root = Path(cfg.cache.dir) if cfg.cache.dir else default_cache_root()
+        root = self.cache_root
         path = root / "features" / _digest(fp)
         names = tuple(f"{k}_{g}" for g in range(len(groups)) for k in ("inputs", "targets"))
 
         def produce(rows: range) -> dict:
             feats = self.teacher_batch(self.train_ids[rows.start:rows.stop])
-            return {f"{k}_{g}": f[k] for g, f in enumerate(feats) for k in ("inputs", "targets")}
+            return {f"{k}_{g}": f[k].cpu() for g, f in enumerate(feats) for k in ("inputs", "targets")}
 
         t0 = time.perf_counter()
         self.cache = build_or_open(path, fingerprint=fp, num_samples=self.train_ids.shape[0],

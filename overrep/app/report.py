@@ -25,6 +25,13 @@ def plot_training(history: list[dict], path: Path, loss: str = "layer-wise MSE")
         ax1.plot(*zip(*val), "o-", ms=3, label=f"held-out {loss}")
     ax1.set_yscale("log")
     ax1.set_ylabel(loss)
+    ppl = [(h["step"], h["val_ppl"]) for h in history if h.get("val_ppl") is not None]
+    if ppl:  # the held-out perplexity of the pruned model as it trains: what the loss is for
+        ax3 = ax1.twinx()
+        ax3.plot(*zip(*ppl), "s-", ms=3, color="tab:green", label="held-out perplexity")
+        ax3.set_yscale("log")
+        ax3.set_ylabel("held-out perplexity", color="tab:green")
+        ax3.legend(loc="upper center")
     ax1.legend()
     ax1.grid(alpha=0.3)
     ax2.plot(steps, [h["alpha"] for h in history], color="tab:red", label="alpha (annealed activation)")
@@ -53,6 +60,8 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
     plots = out / "plots"
     make_dirs(plots)
     loss = LOSS_NAMES.get(m.get("objective"), "loss")
+    if m.get("objective") == "mse" and getattr(cfg.recovery, "loss", "mse") != "mse":
+        loss = f"layer-wise {cfg.recovery.loss} loss"
     if history:
         plot_training(history, plots / "training.png", loss)
     rows = [("dense", m.get("dense_ppl"), m.get("dense_params"), m.get("num_layers_before"),

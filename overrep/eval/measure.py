@@ -2,32 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
-from tqdm.auto import tqdm
 
-
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor, *, batch_size: int = 4, desc: str = "perplexity",
-               progress: bool = True) -> float:
-    """exp(mean next-token cross-entropy) over packed rows ``ids`` ``[N, T]``.
-
-    Every row is scored on its own (no context carried across rows): ``N * (T - 1)``
-    predicted tokens.
-    """
-    model.eval()
-    total_nll, total_tokens = 0.0, 0
-    for i in tqdm(range(0, ids.shape[0], batch_size), desc=desc, unit="batch", disable=not progress,
-                  dynamic_ncols=True, leave=False):
-        x = ids[i:i + batch_size].to(model.device)
-        logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                                reduction="sum")
-        total_nll += nll.item()
-        total_tokens += x[:, 1:].numel()
-    return math.exp(total_nll / total_tokens)
+from ..model.perplexity import perplexity  # noqa: F401  (one definition, re-exported here)
 
 
 @torch.no_grad()

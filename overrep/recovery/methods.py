@@ -8,9 +8,9 @@ Face model. A method only decides *what* trains and *which* objective it minimis
 =============  ===============================================  ======================
 method         what trains                                      objective
 =============  ===============================================  ======================
-overrep        recovery blocks, overcomplete (``recovery.preset``)  layer-wise MSE
-plain          the same recovery blocks without W, D, annealing     layer-wise MSE
-streamline     one block replaces the removed run (all weights)     layer-wise MSE
+overrep        recovery blocks, overcomplete (``recovery.preset``)  layer-wise (``recovery.loss``)
+plain          the same recovery blocks without W, D, annealing     layer-wise (``recovery.loss``)
+streamline     one block replaces the removed run (all weights)     layer-wise (``recovery.loss``)
 lora           PEFT LoRA on every projection of every block          language modelling
 adalora        PEFT AdaLoRA (rank re-allocated every step)           language modelling
 lora-iso       LoRA whose rank matches OverRep's trainable count     language modelling
@@ -36,13 +36,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..model.arch import block_parts, decoder_layers
 from ..errors import OverRepError
-from .objectives import (LanguageModeling, LayerwiseMSE, LogitDistillation, Objective, pretrained_matrix_ids,
-                         unique_trainable)
-from ..model.presets import get_preset
+from ..model.arch import block_parts, decoder_layers
 from ..model.hooks import capture_layer_context, module_context
+from ..model.presets import get_preset
 from ..model.wrap import apply_preset, merge_recovery
+from .losses import (Tail, cached_fisher, cached_topk, centred_gram, downstream_gain, module_phases,
+                     teacher_topk)
+from .objectives import (Layerwise, LanguageModeling, LogitDistillation, Objective, pretrained_matrix_ids,
+                         unique_trainable)
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +178,45 @@ class LayerwiseRecovery(Recovery):
         full_ctx = capture_layer_context(pipe.pruned, pipe.cfg.data.seq_len)
         self.contexts = [module_context(full_ctx, m) for m in self.modules]
         self.val_probe = pipe.teacher_batch(pipe.heldout_ids[:16])
+        r = pipe.cfg.recovery
+        self.loss = r.loss
+        per_module = [module_phases(r.loss, g.final_norm) for g in pipe.plan.groups]
+        phases = sorted({p for ph in per_module for p in ph})
+        aux = self.loss_constants(pipe, per_module, full_ctx) if with_data else None
         source = pipe.features() if with_data else None
-        self.objective = LayerwiseMSE(self.modules, self.contexts, source, self.val_probe)
+        if with_data and "kl-topk" in phases:
+            values, indices = cached_topk(pipe)
+            source = _with_topk(source, values, indices)
+            v, i = teacher_topk(pipe.dense, pipe.heldout_ids[:16], r.loss_topk)
+            self.val_probe = [{**f, "topk_values": v, "topk_indices": i} for f in self.val_probe]
+        n_ppl = getattr(r, "val_ppl_sequences", 8)
+        self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, loss=r.loss, aux=aux,
+                                   lam=r.loss_lambda, switch=r.loss_switch, total_steps=pipe.total_steps,
+                                   ppl_model=pipe.pruned if n_ppl else None,
+                                   ppl_ids=pipe.heldout_ids[:n_ppl] if n_ppl else None,
+                                   topk_rest=r.loss_topk_rest)
+
+    def loss_constants(self, pipe, per_module: list[list[str]], full_ctx: list[dict]) -> list[dict]:
+        """Per module, what its loss needs besides the features (see :mod:`overrep.losses`)."""
+        aux: list[dict] = [{} for _ in self.modules]
+        every = {p for ph in per_module for p in ph}
+        fisher = cached_fisher(pipe) if "fisher" in every else None
+        gram = centred_gram(pipe.dense) if "logit" in every else None
+        for i, (m, g, phases) in enumerate(zip(self.modules, pipe.plan.groups, per_module)):
+            device = next(m.parameters()).device
+            if "normed" in phases and not g.final_norm:
+                aux[i]["gain"] = downstream_gain(pipe.dense, g).to(device)
+            if "fisher" in phases:
+                aux[i]["fisher"] = fisher[i].to(device)
+            if "logit" in phases:
+                if not g.final_norm:
+                    raise OverRepError(f"recovery.loss 'logit' needs a module that ends at the final norm; the "
+                                       f"module ending at block {g.target_layer} does not (use normed, fisher or "
+                                       "kl-topk)")
+                aux[i]["gram"] = gram.to(device)
+            if "kl-topk" in phases:
+                aux[i]["tail"] = Tail(pipe.pruned, m, full_ctx)
+        return aux
 
     @torch.no_grad()
     def finish(self) -> dict:
@@ -199,7 +238,15 @@ class LayerwiseRecovery(Recovery):
         return {"merged_wrappers": merged, **out}
 
     def describe(self) -> dict:
-        return {**super().describe(), "preset": self.preset.to_dict()}
+        return {**super().describe(), "preset": self.preset.to_dict(), "loss": self.loss}
+
+
+def _with_topk(source, values: torch.Tensor, indices: torch.Tensor):
+    def wrapped(idx):
+        batch = source(idx)
+        v, i = values[idx], indices[idx]
+        return [{**f, "topk_values": v, "topk_indices": i} for f in batch]
+    return wrapped
 
 
 class OvercompleteKDRecovery(Recovery):

@@ -4,9 +4,10 @@ The :class:`~overrep.recovery.trainer.Trainer` (optimiser, schedule, clipping, c
 is the same for every method; an objective supplies the trainable parameters, the loss
 of a micro-batch of training-row indices, and any state of its own.
 
-* :class:`LayerwiseMSE` -- OverRep and the layer-wise baselines (paper ``eq:ours``):
-  mean squared error between each recovery module's output and the dense model's
-  hidden state after the removed segment, on cached (or live) teacher features.
+* :class:`Layerwise` -- OverRep and the layer-wise baselines (paper ``eq:ours``):
+  each recovery module's output against the dense model's hidden state after the
+  removed segment, on cached (or live) teacher features, compared by ``recovery.loss``
+  (:mod:`overrep.losses`; ``mse``, the paper's, by default).
 * :class:`LanguageModeling` -- next-token cross-entropy of the whole pruned model
   (LoRA, AdaLoRA, full fine-tuning).
 * :class:`LogitDistillation` -- forward KL ``KL(p_teacher || p_student)`` at temperature
@@ -63,6 +64,10 @@ class Objective:
     def validation_loss(self) -> float | None:
         return None
 
+    def validation_ppl(self) -> float | None:
+        """Held-out perplexity of the pruned model as it stands (a few rows; None: not measured)."""
+        return None
+
     def train(self, mode: bool = True) -> None:
         pass
 
@@ -86,13 +91,36 @@ def unique_trainable(modules) -> list[nn.Parameter]:
     return out
 
 
-class LayerwiseMSE(Objective):
-    """OverRep's objective: each recovery module reproduces the dense segment's output."""
+class Layerwise(Objective):
+    """OverRep's objective: each recovery module reproduces the dense segment's output.
+
+    ``loss`` names the comparison (:mod:`overrep.losses`; ``mse`` is the paper's), or two
+    joined as ``"A>B"``: A until ``switch`` (fraction of ``total_steps``), then B.
+    ``aux[i]`` holds module i's constants: ``gain`` (normed), ``fisher``, ``gram`` (logit),
+    ``tail`` (kl-topk); a batch dict may carry ``topk_values`` / ``topk_indices``.
+    ``ppl_model`` / ``ppl_ids``: the pruned model (modules in place) and held-out rows for
+    :meth:`validation_ppl`.
+    """
 
     def __init__(self, modules, contexts: list[list[dict]], source: BatchSource | None,
-                 val_batch: list[dict] | None = None):
+                 val_batch: list[dict] | None = None, loss: str = "mse", aux: list[dict] | None = None,
+                 lam: float = 0.1, switch: float = 0.5, total_steps: int = 1, ppl_model=None, ppl_ids=None,
+                 topk_rest: bool = False):
+        from .losses import module_phases
+
         self.modules, self.contexts, self.source, self.val_batch = modules, contexts, source, val_batch
         self.activations = [m.activation for m in modules]
+        self.phases = [module_phases(loss, m.norm is not None) for m in modules]
+        self.aux = aux or [{} for _ in modules]
+        self.lam, self.switch_step = lam, int(round(switch * total_steps))
+        self.ppl_model, self.ppl_ids = ppl_model, ppl_ids
+        self.topk_rest = topk_rest
+        self.step = 0
+
+    def current(self, i: int) -> str:
+        """The loss module ``i`` trains with now."""
+        phases = self.phases[i]
+        return phases[-1] if len(phases) > 1 and self.step >= self.switch_step else phases[0]
 
     def parameters(self):
         return unique_trainable(self.modules)
@@ -100,16 +128,45 @@ class LayerwiseMSE(Objective):
     def decayed_ids(self):
         return set().union(*(pretrained_matrix_ids(m) for m in self.modules))
 
+    def module_loss(self, name: str, pred: torch.Tensor, feats: dict, aux: dict) -> torch.Tensor:
+        from . import losses
+
+        target = feats["targets"].to(pred.device)
+        if name == "mse":
+            return F.mse_loss(pred.float(), target.float())
+        if name == "normed":
+            if "gain" not in aux:  # the module owns the final norm: its output is already γ ⊙ x / rms(x)
+                return F.mse_loss(pred.float(), target.float())
+            return losses.normed_loss(pred.float(), target.float(), aux["gain"], self.lam)
+        if name == "fisher":
+            return losses.weighted_mse(pred.float(), target.float(), aux["fisher"])
+        if name == "logit":
+            return losses.logit_loss(pred.float(), target.float(), aux["gram"])
+        if name == "kl-topk":
+            logits = aux["tail"](pred)
+            return losses.topk_kl(logits, feats["topk_values"].to(pred.device), feats["topk_indices"].to(pred.device),
+                                  rest=self.topk_rest)
+        raise AssertionError(name)
+
     def batch_loss(self, batch: list[dict]) -> torch.Tensor:
         losses = []
-        for m, ctx, feats in zip(self.modules, self.contexts, batch):
+        for i, (m, ctx, feats, aux) in enumerate(zip(self.modules, self.contexts, batch, self.aux)):
             p = next(m.parameters())
             pred = m(feats["inputs"].to(p.device, p.dtype), ctx)
-            losses.append(F.mse_loss(pred.float(), feats["targets"].to(p.device).float()))
+            losses.append(self.module_loss(self.current(i), pred, feats, aux))
         return torch.stack(losses).mean()
 
     def loss(self, idx):
         return self.batch_loss(self.source(idx))
+
+    def after_optimizer_step(self, step: int) -> None:
+        self.step = step + 1
+
+    def extra_state(self) -> dict:
+        return {"step": self.step}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.step = state.get("step", 0)
 
     @torch.no_grad()
     def validation_loss(self):
@@ -120,9 +177,24 @@ class LayerwiseMSE(Objective):
         self.train(True)
         return loss
 
+    @torch.no_grad()
+    def validation_ppl(self):
+        if self.ppl_model is None or self.ppl_ids is None:
+            return None
+        from ..model.perplexity import perplexity
+
+        was = self.ppl_model.training
+        ppl = perplexity(self.ppl_model, self.ppl_ids, progress=False)
+        self.ppl_model.train(was)
+        self.train(True)
+        return ppl
+
     def train(self, mode=True):
         for m in self.modules:
             m.train(mode)
+
+
+LayerwiseMSE = Layerwise  # the name before recovery.loss existed
 
 
 class _WholeModel(Objective):
@@ -162,6 +234,16 @@ class _WholeModel(Objective):
                   for i in range(0, self.val_ids.shape[0], 4)]
         self.train(True)
         return sum(losses) / len(losses)
+
+    @torch.no_grad()
+    def validation_ppl(self):
+        if self.val_ids is None:
+            return None
+        from ..model.perplexity import perplexity
+
+        ppl = perplexity(self.model, self.val_ids, progress=False)
+        self.train(True)
+        return ppl
 
     def train(self, mode=True):
         self.model.train(mode)

@@ -202,9 +202,14 @@ class Trainer:
                        "alpha": self.alpha, "grad_norm": float(gnorm)}
                 if self.step % cfg.eval_every == 0 or self.step == self.total:
                     rec["val_loss"] = obj.validation_loss()
+                    rec["val_ppl"] = obj.validation_ppl()
+                    self.last_val_ppl = rec["val_ppl"]
                 self.history.append(rec)
                 bar.update(1)
-                bar.set_postfix(loss=f"{total:.4g}", alpha=f"{rec['alpha']:.2f}", lr=f"{rec['lr']:.2g}")
+                post = {"loss": f"{total:.4g}", "alpha": f"{rec['alpha']:.2f}", "lr": f"{rec['lr']:.2g}"}
+                if getattr(self, "last_val_ppl", None) is not None:
+                    post["val_ppl"] = f"{self.last_val_ppl:.4g}"
+                bar.set_postfix(**post)
                 if self.step % cfg.checkpoint_every == 0 or self.step == self.total:
                     self.save_checkpoint()
         except KeyboardInterrupt:

@@ -1,0 +1,290 @@
+"""Layer-wise recovery losses: what "the module's output matches the dense model" means.
+
+Every layer-wise method (OverRep, Plain, Streamline) trains its recovery modules on the
+same teacher features; ``recovery.loss`` chooses how a module's output ``ĥ`` is compared
+with the dense model's hidden state ``h`` at the same point. :data:`LOSSES` is the one
+registry (the CLI help, the config validation and ``overrep methods`` read it).
+
+* ``mse`` -- mean squared error on the raw hidden state (the paper's objective,
+  bit-identical to the project's original ``LayerwiseMSE``; ``--loss mse`` reproduces it).
+* ``normed`` -- the comparison the next block actually sees: both states RMS-normalised,
+  weighted per channel by the downstream norm's gain γ (the input norm of the dense
+  block the target feeds, or the final norm), plus ``λ·(log rms ĥ − log rms h)²`` to keep
+  the magnitude later blocks rely on. For a module that owns the final norm the target is
+  already ``γ ⊙ x / rms(x)``, so ``normed`` is the MSE on that output.
+* ``fisher`` -- MSE weighted per channel by the dense model's diagonal Fisher
+  ``E[(∂CE/∂h)²]`` at the module's output point (a second-order estimate of the loss
+  change, in the spirit of BRECQ), estimated once on calibration rows and cached.
+* ``logit`` -- for a module that ends at the final norm: the centred-logit MSE through the
+  LM head, ``δᵀGδ / V`` with ``G = W_Uᵀ(I − 11ᵀ/V)W_U`` (d × d, built once), exact and as
+  cheap as an MSE. Refused for a module inside the network.
+* ``kl-topk`` -- the module's output runs through the remaining frozen blocks, the final
+  norm and the LM head; forward KL to the dense model's top-K next-token log-probabilities
+  (cached once), over K + 1 outcomes: the K tokens and one bucket for all the others
+  (``recovery.loss_topk_rest``; off: renormalised on the K tokens, blind to the mass the
+  student puts elsewhere, measured far worse). Equals the full KL when K = vocabulary.
+  The default: lowest held-out perplexity on every mask measured (docs/losses.md).
+* ``A>B`` (e.g. ``normed>kl-topk``) -- loss A, then loss B from ``recovery.loss_switch``
+  (fraction of the steps) on.
+
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..atomic import save_torch
+from ..errors import OverRepError
+from ..model.arch import decoder_layers, final_norm
+
+log = logging.getLogger(__name__)
+
+LOSSES: dict[str, str] = {
+    "mse": "raw hidden-state MSE (the paper's objective)",
+    "normed": "RMS-normalised MSE weighted by the downstream norm's gain + lambda * log-RMS term",
+    "fisher": "MSE weighted per channel by the dense model's diagonal Fisher (cached)",
+    "logit": "centred-logit MSE through the LM head's Gram matrix (modules ending at the final norm)",
+    "kl-topk": "KL to the dense model's cached top-K logits, through the remaining frozen blocks",
+}
+
+
+def module_phases(spec: str, final_norm: bool) -> list[str]:
+    """The phases one module trains with (the same for every module today; the module's
+    place, ``final_norm``, is where a per-module rule would go)."""
+    return parse_loss(spec)
+
+
+def parse_loss(spec: str) -> list[str]:
+    """``"normed>kl-topk"`` -> ``["normed", "kl-topk"]``; one-line error on an unknown name."""
+    parts = [p.strip() for p in str(spec).split(">")]
+    if not 1 <= len(parts) <= 2 or any(p not in LOSSES for p in parts):
+        bad = next((p for p in parts if p not in LOSSES), spec)
+        raise OverRepError(f"unknown recovery.loss '{bad}'; available: {', '.join(LOSSES)} "
+                           "(or two joined as A>B: A, then B from recovery.loss_switch)")
+    return parts
+
+
+def loss_help() -> str:
+    return "; ".join(f"{k}: {v}" for k, v in LOSSES.items())
+
+
+# ---- per-module constants ----------------------------------------------------------
+@torch.no_grad()
+def norm_gain(norm: nn.Module, hidden: int) -> torch.Tensor:
+    """The effective per-channel gain γ of an RMS-style norm (γ, or 1 + w for Gemma):
+    its output for an all-ones input (rms 1), independent of the weight convention."""
+    p = next(norm.parameters())
+    return norm(torch.ones(1, 1, hidden, device=p.device, dtype=p.dtype)).reshape(-1).float()
+
+
+def downstream_gain(dense: nn.Module, group) -> torch.Tensor:
+    """γ of the norm that reads the group's target in the dense model: the input norm of
+    the block after ``target_layer``, or the final norm."""
+    layers = decoder_layers(dense)
+    hidden = dense.config.hidden_size
+    if group.final_norm or group.target_layer + 1 >= len(layers):
+        return norm_gain(final_norm(dense), hidden)
+    return norm_gain(layers[group.target_layer + 1].input_layernorm, hidden)
+
+
+def lm_head_weight(model: nn.Module) -> torch.Tensor:
+    head = model.get_output_embeddings()
+    if head is None:
+        raise OverRepError("the 'logit' and 'kl-topk' losses need a model with an LM head")
+    return head.weight
+
+
+@torch.no_grad()
+def centred_gram(model: nn.Module) -> torch.Tensor:
+    """``G = W_Uᵀ(I − 11ᵀ/V)W_U / V`` (d × d), so ``δᵀGδ`` is the mean over the vocabulary
+    of the squared centred-logit difference."""
+    w = lm_head_weight(model).double()
+    v = w.shape[0]
+    mu = w.mean(0, keepdim=True)
+    return ((w.T @ w - v * mu.T @ mu) / v).float()
+
+
+def _cache_file(root: Path, kind: str, key: dict) -> Path:
+    digest = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:16]
+    return root / "features" / f"{kind}-{digest}.pt"
+
+
+def _load(path: Path):
+    if path.is_file():
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # torn or foreign: recompute
+            log.warning("loss cache %s is unreadable; recomputing", path)
+    return None
+
+
+def fisher_diagonal(dense: nn.Module, ids: torch.Tensor, groups, batch: int = 8) -> list[torch.Tensor]:
+    """Per group, ``E[(∂CE/∂h)²]`` per channel at the group's output point (the output of
+    ``target_layer``, or of the final norm), normalised to mean 1, from the dense model's
+    own next-token loss on ``ids``."""
+    layers = decoder_layers(dense)
+    sums = [torch.zeros(dense.config.hidden_size, dtype=torch.float64) for _ in groups]
+    count = 0
+    device = next(dense.parameters()).device
+    was = dense.training
+    dense.eval()
+    for gi, g in enumerate(groups):  # one pass per group: cutting the graph at one point hides the others
+        where = final_norm(dense) if g.final_norm else layers[g.target_layer]
+        for i in range(0, ids.shape[0], batch):
+            x = ids[i:i + batch].to(device)
+            grabbed: list[torch.Tensor] = []
+
+            def leaf(module, args, output):
+                h = output[0] if isinstance(output, tuple) else output
+                h = h.detach().requires_grad_(True)
+                grabbed.append(h)
+                return (h, *output[1:]) if isinstance(output, tuple) else h
+
+            handle = where.register_forward_hook(leaf)
+            try:
+                with torch.enable_grad():
+                    logits = dense(input_ids=x, use_cache=False).logits[:, :-1].float()
+                    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                         reduction="sum")
+                    (grad,) = torch.autograd.grad(ce, grabbed[0])
+            finally:
+                handle.remove()
+            sums[gi] += grad[:, :-1].double().pow(2).sum((0, 1)).cpu()
+            if gi == 0:
+                count += x.shape[0] * (x.shape[1] - 1)
+    dense.train(was)
+    out = []
+    for s in sums:
+        f = s / count
+        out.append((f / f.mean().clamp_min(1e-30)).float())
+    return out
+
+
+def cached_fisher(pipe) -> list[torch.Tensor]:
+    """``fisher_diagonal`` on the first ``recovery.fisher_sequences`` training rows, stored
+    next to the feature cache and keyed like it (model, plan, data, sequence length)."""
+    n = min(pipe.cfg.recovery.fisher_sequences, pipe.train_ids.shape[0])
+    root = pipe.cache_root
+    path = _cache_file(root, "fisher", {**{k: str(v) for k, v in pipe.cache_fingerprint().items()}, "rows": n})
+    got = _load(path)
+    if got is not None and len(got) == len(pipe.plan.groups):
+        log.info("fisher: reusing %s", path)
+        return list(got)
+    weights = fisher_diagonal(pipe.dense, pipe.train_ids[:n], pipe.plan.groups)
+    save_torch(path, weights, "the Fisher cache")
+    return weights
+
+
+@torch.no_grad()
+def teacher_topk(dense: nn.Module, ids: torch.Tensor, k: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense model's top-``k`` next-token log-probabilities of every position: values
+    (fp32; their softmax is the renormalised top-k distribution, ``1 − Σ exp`` the mass
+    outside it) and vocabulary indices (int32), each ``[N, T, k]``."""
+    device = next(dense.parameters()).device
+    vals, idx = [], []
+    for i in range(0, ids.shape[0], batch):
+        logits = dense(input_ids=ids[i:i + batch].to(device), use_cache=False).logits.float()
+        v, j = F.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+        vals.append(v.cpu())
+        idx.append(j.to(torch.int32).cpu())
+    return torch.cat(vals), torch.cat(idx)
+
+
+def cached_topk(pipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """``teacher_topk`` of every training row, stored next to the feature cache."""
+    k = pipe.cfg.recovery.loss_topk
+    fp = pipe.cache_fingerprint()
+    root = pipe.cache_root
+    path = _cache_file(root, "topk", {"model": fp["model"], "data": str(fp["data"]), "seq_len": fp["seq_len"],
+                                      "dtype": fp["model_dtype"], "k": k, "rows": pipe.train_ids.shape[0],
+                                      "values": "log-probabilities"})
+    got = _load(path)
+    if got is not None:
+        log.info("top-%d logits: reusing %s", k, path)
+        return got["values"], got["indices"]
+    values, indices = teacher_topk(pipe.dense, pipe.train_ids, k)
+    save_torch(path, {"values": values, "indices": indices}, "the top-k cache")
+    return values, indices
+
+
+# ---- the rest of the model after a module (kl-topk) --------------------------------
+class Tail:
+    """The frozen part of the pruned model after a recovery module: the remaining blocks,
+    the final norm (unless the module owns it) and the LM head."""
+
+    def __init__(self, model: nn.Module, module, full_context: list[dict]):
+        layers = decoder_layers(model)
+        last = module.compact_indices[-1]
+        self.blocks = [(layers[i], full_context[i]) for i in range(last + 1, len(layers))]
+        self.norm = None if module.norm is not None else final_norm(model)
+        self.head = model.get_output_embeddings()
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        for block, kwargs in self.blocks:
+            out = block(h, **kwargs)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.norm is not None:
+            h = self.norm(h)
+        logits = self.head(h).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+# ---- the losses themselves -----------------------------------------------------------
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x.pow(2).mean(-1, keepdim=True).add(1e-12).sqrt()
+
+
+def normed_loss(pred: torch.Tensor, target: torch.Tensor, gain: torch.Tensor, lam: float) -> torch.Tensor:
+    """mean_{t,c} (γ̃_c (ĥ/rms ĥ − h/rms h)_c)² + λ mean_t (log rms ĥ − log rms h)², with γ̃ = γ / rms(γ)
+    (so the first term is on the scale of an MSE between unit-RMS vectors)."""
+    rp, rt = _rms(pred), _rms(target)
+    g = gain / _rms(gain)
+    direction = ((pred / rp - target / rt) * g).pow(2).mean()
+    magnitude = (rp.log() - rt.log()).pow(2).mean()
+    return direction + lam * magnitude
+
+
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return ((pred - target).pow(2) * weight).mean()
+
+
+def logit_loss(pred: torch.Tensor, target: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    d = pred - target
+    return ((d @ gram) * d).sum(-1).mean()
+
+
+def topk_kl(logits: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, rest: bool = False) -> torch.Tensor:
+    """Forward KL(p_teacher || p_student) on the teacher's top-K support.
+
+    ``rest=False``: both distributions renormalised on the support (blind to the mass the
+    student puts elsewhere). ``rest=True``: K + 1 outcomes, the support plus one bucket
+    for every other token, so mass outside the support is penalised (``values`` must be
+    the teacher's log-probabilities). Both equal the full KL when K = vocabulary size.
+    """
+    if not rest:
+        log_p = F.log_softmax(values.float(), dim=-1)
+        log_q = F.log_softmax(logits.gather(-1, indices.long()), dim=-1)
+        return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    log_p = values.float()
+    lse = logits.logsumexp(-1, keepdim=True)
+    log_q = logits.gather(-1, indices.long()) - lse
+    p_rest = (1 - log_p.exp().sum(-1)).clamp_min(0)
+    q_rest = (1 - log_q.exp().sum(-1)).clamp_min(1e-12)
+    kl_support = (log_p.exp() * (log_p - log_q)).sum(-1)
+    kl_rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-12).log() - q_rest.log()),
+                          torch.zeros_like(p_rest))
+    return (kl_support + kl_rest).mean()
+
+
+__all__ = ["LOSSES", "parse_loss", "loss_help", "normed_loss", "weighted_mse", "logit_loss", "topk_kl",
+           "centred_gram", "downstream_gain", "norm_gain", "fisher_diagonal", "cached_fisher", "teacher_topk",
+           "cached_topk", "Tail"]

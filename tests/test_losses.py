@@ -1,0 +1,160 @@
+"""The layer-wise losses (recovery.loss): each against an explicit computation, plus one CLI run each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from overrep.recovery import losses
+from overrep.app.cli import main
+from overrep.app.config import RunConfig
+from overrep.errors import OverRepError
+from overrep.recovery.objectives import Layerwise
+from overrep.app.pipeline import Pipeline
+
+from tiny import tiny_cfg, tiny_model
+
+
+def test_normed_loss_ignores_per_token_scale_except_through_lambda():
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    gain = torch.rand(16, generator=g) + 0.5
+    scale = torch.rand(2, 5, 1, generator=g) * 10 + 0.1
+    same = losses.normed_loss(pred, target, gain, lam=0.0)
+    assert torch.allclose(losses.normed_loss(pred, target * scale, gain, lam=0.0), same, rtol=1e-5)
+    # with lambda the magnitude term (and only it) sees the scale
+    lam = 0.3
+    mag = (pred.pow(2).mean(-1).sqrt().log() - (target * scale).pow(2).mean(-1).sqrt().log()).pow(2).mean()
+    assert torch.allclose(losses.normed_loss(pred, target * scale, gain, lam), same + lam * mag, rtol=1e-5)
+    # raw MSE is not scale-invariant (what the normed loss is for)
+    assert not torch.allclose(F.mse_loss(pred, target * scale), F.mse_loss(pred, target))
+
+
+def test_norm_gain_reads_the_norm_weight():
+    model = tiny_model("llama")
+    norm = model.model.norm
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, norm.weight.numel()))
+    assert torch.allclose(losses.norm_gain(norm, norm.weight.numel()), norm.weight, rtol=1e-5)
+
+
+def test_logit_loss_is_the_centred_logit_mse_through_the_real_head():
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(1)
+    pred, target = torch.randn(2, 4, 32, generator=g), torch.randn(2, 4, 32, generator=g)
+    with torch.no_grad():
+        lp, lt = model.lm_head(pred), model.lm_head(target)
+        lp, lt = lp - lp.mean(-1, keepdim=True), lt - lt.mean(-1, keepdim=True)
+        explicit = (lp - lt).pow(2).mean(-1).mean()
+        got = losses.logit_loss(pred, target, losses.centred_gram(model))
+    assert torch.allclose(got, explicit, rtol=1e-4)
+    assert got > 0
+
+
+def test_topk_kl_equals_full_kl_at_full_vocabulary_and_ignores_the_rest_below():
+    g = torch.Generator().manual_seed(2)
+    teacher, student = torch.randn(3, 7, 97, generator=g) * 3, torch.randn(3, 7, 97, generator=g) * 3
+    v, i = teacher.topk(97, dim=-1)
+    full = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
+                    reduction="none").sum(-1).mean()
+    assert torch.allclose(losses.topk_kl(student, v, i.int()), full, rtol=1e-5)
+    v, i = teacher.topk(8, dim=-1)
+    changed = student.clone()
+    mask = torch.ones_like(changed, dtype=torch.bool).scatter_(-1, i, False)
+    changed[mask] += 5.0  # logits outside the support do not enter the renormalised KL
+    assert torch.allclose(losses.topk_kl(student, v, i), losses.topk_kl(changed, v, i), rtol=1e-5)
+
+
+def test_fisher_weights_are_positive_finite_and_cached(assets, tmp_path, monkeypatch):
+    cfg = tiny_cfg(assets, tmp_path / "f", recovery__loss="fisher", prune__remove="2-3")
+    pipe = Pipeline(cfg, progress=False)
+    pipe.load(create_output=False)
+    w = losses.cached_fisher(pipe)
+    assert len(w) == len(pipe.plan.groups) == 1
+    assert w[0].shape == (pipe.dense.config.hidden_size,)
+    assert torch.isfinite(w[0]).all() and (w[0] > 0).all()
+    assert abs(w[0].mean().item() - 1) < 1e-5
+    monkeypatch.setattr(losses, "fisher_diagonal", lambda *a, **k: pytest.fail("recomputed"))
+    assert torch.equal(losses.cached_fisher(pipe)[0], w[0])
+
+
+def test_mse_is_the_original_objective_bit_for_bit():
+    g = torch.Generator().manual_seed(3)
+
+    class Mod(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.activation = None
+            self.norm = None
+
+        def forward(self, h, ctx):
+            return self.lin(h)
+
+    mods = [Mod(), Mod()]
+    batch = [{"inputs": torch.randn(2, 3, 8, generator=g), "targets": torch.randn(2, 3, 8, generator=g) * 100}
+             for _ in mods]
+    got = Layerwise(mods, [[], []], None).batch_loss(batch)
+    expected = torch.stack([F.mse_loss(m(b["inputs"], None).float(), b["targets"].float())
+                            for m, b in zip(mods, batch)]).mean()
+    assert torch.equal(got, expected)
+
+
+def test_loss_spelling():
+    assert losses.module_phases("normed>kl-topk", True) == ["normed", "kl-topk"]
+    assert RunConfig.load().recovery.loss == "kl-topk"
+    with pytest.raises(OverRepError, match="A>B"):
+        RunConfig.load(overrides={"recovery": {"loss": "mse>normed>logit"}})
+    with pytest.raises(OverRepError, match="available: mse, normed"):
+        RunConfig.load(overrides={"recovery": {"loss": "cosine"}})
+
+
+@pytest.mark.parametrize("loss,remove", [("normed", "2-3"), ("fisher", "3-4"), ("logit", "3-4"),
+                                         ("kl-topk", "2-3"), ("mse>kl-topk", "3-4")])
+def test_each_loss_runs_through_the_cli(assets, tmp_path, loss, remove):
+    cfg = tmp_path / "c.yaml"
+    out = tmp_path / "run"
+    tiny_cfg(assets, out, recovery__steps=4, eval__latency=False).save(cfg)
+    assert main(["run", "--config", str(cfg), "--quiet", "--remove", remove, "--loss", loss]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["recovered_ppl"] > 0 and m["merge_max_abs_diff"] <= 1e-4
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert any(r.get("val_ppl") for r in log)  # held-out perplexity while training
+    assert RunConfig.load(out / "config.yaml").recovery.loss == loss
+
+
+def test_logit_refuses_a_module_inside_the_network(assets, tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    tiny_cfg(assets, tmp_path / "run", recovery__steps=2).save(cfg)
+    assert main(["run", "--config", str(cfg), "--quiet", "--remove", "2-3", "--loss", "logit"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("needs a module that ends at the final norm" in line for line in err)
+
+
+def test_val_ppl_matches_the_pruned_model_as_it_stands(assets, tmp_path):
+    cfg = tiny_cfg(assets, tmp_path / "v", recovery__steps=2, recovery__eval_every=1)
+    pipe = Pipeline(cfg, progress=False)
+    pipe.load(create_output=False)
+    pipe.prune()
+    pipe.build_recovery()
+    from overrep.model.perplexity import perplexity
+
+    ppl = pipe.recovery.objective.validation_ppl()
+    assert ppl == pytest.approx(perplexity(pipe.pruned, pipe.heldout_ids[:8], progress=False))
+
+
+def test_topk_kl_with_the_rest_bucket_sees_mass_outside_the_support():
+    g = torch.Generator().manual_seed(4)
+    teacher, student = torch.randn(2, 5, 97, generator=g) * 3, torch.randn(2, 5, 97, generator=g) * 3
+    logp = F.log_softmax(teacher, -1)
+    full = F.kl_div(F.log_softmax(student, -1), logp, log_target=True, reduction="none").sum(-1).mean()
+    v, i = logp.topk(97, dim=-1)
+    assert torch.allclose(losses.topk_kl(student, v, i, rest=True), full, rtol=1e-4)
+    v, i = logp.topk(8, dim=-1)
+    changed = student.clone()
+    mask = torch.ones_like(changed, dtype=torch.bool).scatter_(-1, i, False)
+    changed[mask] += 5.0
+    assert losses.topk_kl(changed, v, i, rest=True) > losses.topk_kl(student, v, i, rest=True) + 1
