@@ -17,7 +17,7 @@ import time
 from ..errors import OverRepError
 from .benchmarks import BENCHMARKS
 
-logger = logging.getLogger("overrep.eval.lmeval")
+logger = logging.getLogger(__name__)
 
 
 def lm_eval_limit(benchmark: str, limit: int | None, n_subtasks: int = 1) -> int | None:
