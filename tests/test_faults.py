@@ -370,7 +370,7 @@ def test_checkpoints_load_without_unpickling_code(assets, tmp_path):
 def test_huge_documents_are_tokenised_piece_by_piece(assets, monkeypatch):
     from transformers import AutoTokenizer
 
-    from overrep import data
+    from overrep.data import text as data
 
     tok = AutoTokenizer.from_pretrained(assets / "tiny-llama")
     seen = []
