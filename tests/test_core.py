@@ -155,8 +155,10 @@ def test_teacher_features_are_the_dense_hidden_states(arch):
     dense = tiny_model(arch)
     ids = tiny_ids()
     hs = dense(ids, output_hidden_states=True).hidden_states  # hs[-1] is after the final norm
-    plan = plan_pruning(6, [1, 3, 4])  # two groups: {0, 2} and {2, 5}? -> overlapping, one group
+    plan = plan_pruning(6, [1, 3, 4])  # modules [0, 2] and [2, 5] share block 2: one group
+    assert [g.module_layers for g in plan.groups] == [[0, 2, 5]]
     feats = teacher_features(dense, ids, plan.groups)
+    assert len(feats) == 1
     for g, f in zip(plan.groups, feats):
         assert torch.equal(f["inputs"], hs[g.input_layer])
         assert torch.equal(f["targets"], hs[-1] if g.final_norm else hs[g.target_layer + 1])

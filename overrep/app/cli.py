@@ -174,11 +174,12 @@ def cmd_eval(args) -> int:
 
 def add_benchmark_arguments(parser) -> None:
     """The ``overrep eval`` benchmark options (see :func:`cmd_benchmarks`)."""
+    from ..eval.benchmarks import BENCHMARKS
     from ..eval.lmeval import DEFAULT_BATCH_SIZE, QUICK_LIMIT
 
     parser.add_argument("--tasks", default="reasoning",
                         help="suites (reasoning, generation, all) and/or benchmarks, comma-separated "
-                             "(default: reasoning)")
+                             f"(default: reasoning; benchmarks: {BENCHMARKS.choices()})")
     parser.add_argument("--limit", default="quick",
                         help=f"documents per benchmark: N, 'quick' (default: {QUICK_LIMIT['reasoning']} per reasoning, "
                              f"{QUICK_LIMIT['generation']} per generation benchmark; MMLU takes ceil(N/57) per "
@@ -258,7 +259,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_methods(args) -> int:
-    from ..pruning.criteria import CRITERIA
+    from ..pruning.registry import CRITERIA
     from ..recovery.methods import METHODS
 
     print("recovery methods (recovery.method):")
@@ -271,11 +272,13 @@ def cmd_methods(args) -> int:
         print(f"  {name:12s} {text}")
     print("pruning criteria (prune.criterion):")
     for name, c in CRITERIA.items():
-        print(f"  {name:16s} {(c.__doc__ or '').strip().splitlines()[0]}")
+        print(f"  {name:16s} {c.description}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..pruning.registry import CRITERIA
+
     parser = argparse.ArgumentParser(prog="overrep", description="Prune decoder blocks and recover with OverRep.")
     sub = parser.add_subparsers(dest="command", required=False)
     for name, help_ in (("run", "the whole job: prune, cache, recover, merge, export, evaluate, report"),
@@ -302,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", help="compare YAML (base run config, methods, criteria, ratios, budgets, ...)")
     c.add_argument("--output", help="grid output folder")
     c.add_argument("--methods", help="comma-separated, overrides the file (see `overrep methods`)")
-    c.add_argument("--criteria", help="comma-separated pruning criteria, overrides the file")
+    c.add_argument("--criteria", help=f"comma-separated pruning criteria ({CRITERIA.choices()}), overrides the file")
     c.add_argument("--ratios", help="comma-separated pruning ratios, overrides the file")
     c.add_argument("--budgets", help="epochs and/or wallclock, overrides the file")
     c.add_argument("--no-benchmarks", action="store_true", help="held-out perplexity only (skip lm-eval RP)")

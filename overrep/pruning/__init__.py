@@ -1,1 +1,1 @@
-"""Which blocks to remove: the pruning criteria behind one registry (CRITERIA)."""
+"""Which blocks to remove: one module per pruning criterion behind one registry (:mod:`.registry`)."""
