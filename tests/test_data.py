@@ -324,3 +324,33 @@ def test_package_corpora_load(name):
 
     docs = load_documents(name)
     assert len(docs) > 100 and all(isinstance(d, str) and d for d in docs[:50])
+
+
+def test_mixture_packs_each_source_and_keeps_held_out_rows_by_domain(tmp_path):
+    from overrep.data.text import token_splits
+    from tiny import tiny_tokenizer
+
+    a = [f"river mountain {i} " * 20 for i in range(60)]
+    b = [f"planet ocean {i} " * 20 for i in range(60)]
+    (tmp_path / "a.txt").write_text("\n\n".join(a))
+    (tmp_path / "b.txt").write_text("\n\n".join(b))
+    tok = tiny_tokenizer(a + b)
+    src = f"{tmp_path / 'a.txt'}+{tmp_path / 'b.txt'}"
+    train, held, info = token_splits(src, tok, seq_len=16, train_sequences=9, heldout_sequences=4, progress=False)
+    assert train.shape == (9, 16) and held.shape == (4, 16)
+    (ca, cb) = info["components"]
+    assert ca["heldout_rows"] == [0, 2] and cb["heldout_rows"] == [2, 4]
+    assert ca["train_sequences"] == 5 and cb["train_sequences"] == 4
+    _, held_a, _ = token_splits(str(tmp_path / "a.txt"), tok, seq_len=16, train_sequences=5, heldout_sequences=2,
+                                progress=False)
+    assert torch.equal(held[:2], held_a)  # each source is split exactly as it would be alone
+    river, planet = tok.encode(" river")[0], tok.encode(" planet")[0]
+    assert (train == river).any() and (train == planet).any()  # the training rows mix both
+
+
+def test_unseen_domains_must_not_be_trained_on():
+    from overrep.errors import OverRepError
+    from overrep.eval.heldout import unseen_domain_rows
+
+    with pytest.raises(OverRepError, match="unseen domain"):
+        unseen_domain_rows("c4", None, training_source="embedded+c4", seq_len=8, rows=2, seed=0)

@@ -40,6 +40,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="recovery preset name or .yaml file")
     p.add_argument("--output", help="output folder")
     p.add_argument("--max-steps", type=int, help="recovery optimiser steps")
+    p.add_argument("--time-budget", help="recover within this wall-clock (feature cache included), e.g. 20m, "
+                                         "90s, 1.5h: the step count is fixed after a few measured steps")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set recovery.lr=1e-4 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
@@ -53,7 +55,7 @@ def _config(args):
     overrides = list(args.set)
     given = {item.split("=", 1)[0].strip() for item in overrides}
     for flag, key in (("model", "model.source"), ("preset", "recovery.preset"), ("output", "output"),
-                      ("max_steps", "recovery.steps"), ("method", "recovery.method"), ("loss", "recovery.loss"),
+                      ("max_steps", "recovery.steps"), ("time_budget", "recovery.time_budget"), ("method", "recovery.method"), ("loss", "recovery.loss"),
                       ("criterion", "prune.criterion")):
         if getattr(args, flag, None) is not None:
             if key in given:
@@ -145,6 +147,9 @@ def cmd_export(args) -> int:
     p.load()
     p.prune()
     p.build_recovery(with_data=False)
+    if p.cfg.recovery.time_budget is not None:  # the measured step count lives in the checkpoints
+        p.total_steps = p.checkpointed_total() or p.total_steps
+        p.build_recovery(with_data=False)
     trainer = p.make_trainer()
     if trainer.step < trainer.total:
         raise OverRepError(f"training in '{out}' stopped at step {trainer.step} of {trainer.total}; "

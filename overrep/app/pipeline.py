@@ -17,72 +17,41 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
 import platform
-import resource
 import time
 from pathlib import Path
 
 import torch
 
 from .. import __version__
-from ..model.accounting import blocks_for_ratio, counted_parameters
-from ..atomic import save_torch, write_json
-from ..model.arch import check_supported, decoder_layers
+from ..atomic import write_json
 from ..data.cache import build_or_open
-from .config import RunConfig, default_cache_root
-from ..pruning.criteria import NEEDS_CALIBRATION, get_criterion
 from ..data.text import token_splits
 from ..errors import OverRepError
-from ..eval.measure import generation_latency, perplexity
-from .export import export_model
-from ..recovery.methods import build_recovery, get_method
-from ..model.loading import load_model
-from .outdir import RunFolder
+from ..eval.heldout import domain_perplexities, unseen_domain_rows
+from ..eval.measure import generation_latency
+from ..model.accounting import blocks_for_ratio, counted_parameters
+from ..model.arch import check_supported, decoder_layers
 from ..model.hooks import teacher_features
-from ..model.wrap import count_parameters
+from ..model.loading import load_model
+from ..model.runtime import digest, model_fingerprint, peak_memory_bytes, resolve_device
 from ..model.surgery import parse_layers, plan_pruning, prune
+from ..model.wrap import count_parameters
+from ..pruning.cached import cached_selection
+from ..pruning.criteria import NEEDS_CALIBRATION
+from ..recovery.budget import fit_steps, parse_duration
+from ..recovery.methods import build_recovery, get_method
 from ..recovery.trainer import Trainer
+from .config import RunConfig, default_cache_root
+from .export import export_model
+from .outdir import RunFolder
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TEACHER_BATCH = 8
-
-
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def model_fingerprint(model, source: str) -> str:
-    """Source, config and a sample of every weight tensor: cheap, and changes with the weights."""
-    h = hashlib.sha256(source.encode())
-    h.update(model.config.to_json_string(use_diff=False).encode())
-    for name, p in model.state_dict().items():
-        h.update(name.encode())
-        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise OverRepError(f"unknown device '{spec}'; use auto, cpu or cuda[:N]") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise OverRepError(f"device '{spec}' requested but CUDA is not available on this machine")
-    return device
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process so far: GPU memory on CUDA, resident set size on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 class Pipeline:
@@ -150,6 +119,9 @@ class Pipeline:
             d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
             heldout_sequences=d.heldout_sequences, seed=d.seed, text_field=d.text_field,
             progress=self.progress)
+        self.unseen_ids = unseen_domain_rows(cfg.eval.domains if cfg.eval.perplexity else None, self.tokenizer,
+                                             training_source=d.source, seq_len=d.seq_len,
+                                             rows=cfg.eval.domain_sequences, seed=d.seed)
         self.timings["data"] = time.perf_counter() - t0
         self.select_blocks()
         self.plan = plan_pruning(self.num_layers, self.selection.removed, blocks=self.method.blocks or r.blocks,
@@ -182,31 +154,9 @@ class Pipeline:
             calibration = None
             if cfg.prune.criterion in NEEDS_CALIBRATION:
                 calibration = self.train_ids[:cfg.prune.calibration_sequences].to(self.device)
-            self.selection = self._cached_selection(cfg.prune.criterion, n, calibration)
+            self.selection = cached_selection(cfg.prune.criterion, self.dense, n, calibration, model_fp=self.model_fp,
+                                              root=self.cache_root)
         self.timings["criterion"] = time.perf_counter() - t0
-
-    def _cached_selection(self, name: str, n: int, calibration):
-        """Run a criterion, or reuse its result: a data-driven criterion is a pure function of
-        the model, ``n`` and the calibration rows, and LaCo's search costs minutes."""
-        from ..pruning.criteria import Selection
-
-        if calibration is None:
-            return get_criterion(name)(self.dense, n, None)
-        key = _digest({"criterion": name, "n": n, "model": self.model_fp,
-                       "calibration": hashlib.sha256(calibration.cpu().numpy().tobytes()).hexdigest()})
-        root = self.cache_root
-        path = root / "criteria" / f"{name}-{key}.pt"
-        if path.is_file():
-            try:
-                saved = torch.load(path, map_location="cpu", weights_only=True)
-                log.info("criterion %s: reusing %s", name, path)
-                return Selection(saved["removed"], saved["replaced"], json.loads(saved["scores"]))
-            except Exception:  # a torn or foreign file: recompute and replace it
-                log.warning("criterion cache %s is unreadable; recomputing", path)
-        selection = get_criterion(name)(self.dense, n, calibration)
-        save_torch(path, {"removed": selection.removed, "replaced": selection.replaced,
-                          "scores": json.dumps(selection.scores)}, "the criterion cache")
-        return selection
 
     # ---- stage 2: prune, baseline evaluation ---------------------------------------
     def prune(self) -> None:
@@ -235,7 +185,11 @@ class Pipeline:
         ev = self.cfg.eval
         t0 = time.perf_counter()
         if ev.perplexity:
-            self.metrics[f"{tag}_ppl"] = perplexity(model, self.heldout_ids, desc=f"ppl {tag}", progress=self.progress)
+            ppl = domain_perplexities(model, self.heldout_ids, self.data_info.get("components"), self.unseen_ids,
+                                      desc=f"ppl {tag}", progress=self.progress)
+            self.metrics[f"{tag}_ppl"] = ppl["all"]
+            if ppl["domains"] or ppl["unseen"]:
+                self.metrics[f"{tag}_ppl_domains"] = {**ppl["domains"], **ppl["unseen"]}
         if ev.latency:
             lat = generation_latency(model, self.tokenizer, ev.sample_prompt, ev.latency_tokens)
             self.metrics[f"{tag}_latency_s_per_token"] = lat["seconds_per_token"]
@@ -261,7 +215,11 @@ class Pipeline:
     def build_recovery(self, with_data: bool = True) -> None:
         """Set up ``recovery.method`` on the pruned model (``with_data=False``: no feature
         cache, for re-exporting from checkpoints)."""
+        t0 = time.perf_counter()
+        self.recovery_started = getattr(self, "recovery_started", t0)  # a time budget counts from here
+        cached = self.timings.get("cache", 0.0)
         self.recovery = build_recovery(self, self.method, with_data=with_data)
+        self.build_seconds = time.perf_counter() - t0 - (self.timings.get("cache", 0.0) - cached)
         self.metrics["method"] = self.method.name
         self.metrics["objective"] = self.method.objective
         self.metrics["trainable_params"] = self.recovery.trainable_params
@@ -299,7 +257,7 @@ class Pipeline:
             return lambda idx: teacher_features(self.dense, self.train_ids[idx], groups)
         fp = self.cache_fingerprint()
         root = self.cache_root
-        path = root / "features" / _digest(fp)
+        path = root / "features" / digest(fp)
         names = tuple(f"{k}_{g}" for g in range(len(groups)) for k in ("inputs", "targets"))
 
         def produce(rows: range) -> dict:
@@ -322,7 +280,7 @@ class Pipeline:
     # ---- stage 4: training ---------------------------------------------------------
     def make_trainer(self) -> Trainer:
         cfg = self.cfg
-        fingerprint = _digest({"cfg": {k: v for k, v in cfg.to_dict().items() if k != "output"},
+        fingerprint = digest({"cfg": {k: v for k, v in cfg.to_dict().items() if k != "output"},
                                "model": self.model_fp})
         self.trainer = Trainer(self.recovery.objective, self.train_ids.shape[0], self.rcfg, self.total_steps,
                                self.out / "checkpoints", tokens_per_sample=cfg.data.seq_len,
@@ -331,8 +289,42 @@ class Pipeline:
             self.trainer.resume()
         return self.trainer
 
+    def checkpointed_total(self) -> int | None:
+        """The step count the newest checkpoint was trained for (a budgeted run's is measured)."""
+        found = sorted((self.out / "checkpoints").glob("step-*.pt"))
+        if not found:
+            return None
+        try:
+            return int(torch.load(found[-1], map_location="cpu", weights_only=True)["total_steps"])
+        except Exception:
+            return None  # the trainer's resume reports the unreadable file
+
+    def fit_time_budget(self) -> None:
+        """``recovery.time_budget``: fix the step count so that the schedules complete inside
+        it, feature caching included (see :mod:`overrep.recovery.budget`)."""
+        r = self.cfg.recovery
+        budget = parse_duration(r.time_budget)
+        total = self.checkpointed_total() if self.resume else None
+        info = {"seconds": budget}
+        if total is None:
+            costs = self.make_trainer().measure()
+            left = budget - (time.perf_counter() - self.recovery_started) - self.build_seconds
+            total = fit_steps(left, costs, r.eval_every, r.checkpoint_every)
+            info.update(measured_seconds_per_step=costs.step, measured_validation_seconds=costs.validation,
+                        measured_checkpoint_seconds=costs.checkpoint)
+            log.info("time budget %.0f s: %.2f s per step, %.0f s left -> %d steps", budget, costs.step, left, total)
+        self.total_steps = info["steps"] = total
+        torch.manual_seed(r.seed)  # the measured steps leave no trace: fresh model, fresh recovery
+        self.prune()
+        self.build_recovery()
+        self.metrics["time_budget"] = info
+
     def train(self) -> None:
+        if self.cfg.recovery.time_budget is not None:
+            self.fit_time_budget()
         result = self.make_trainer().run()
+        if "time_budget" in self.metrics:
+            self.metrics["time_budget"]["used_seconds"] = time.perf_counter() - self.recovery_started
         self.trainer.write_log(self.out / "train_log.jsonl")
         self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds,
                              "train_tokens": result.tokens, "train_tokens_per_second": result.tokens_per_second,

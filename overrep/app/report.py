@@ -56,6 +56,20 @@ def _fmt(v, digits=4):
     return str(v)
 
 
+def _domain_table(m: dict) -> list[str]:
+    """Held-out perplexity per domain (training sources and unseen corpora), with the ratio to dense."""
+    tags = [t for t in ("dense", "pruned", "recovered") if m.get(f"{t}_ppl_domains")]
+    if not tags:
+        return []
+    names = list(m[f"{tags[0]}_ppl_domains"])
+    lines = ["| domain | " + " | ".join(tags) + " | recovered / dense |", "|---" * (len(tags) + 2) + "|"]
+    for n in names:
+        vals = [m[f"{t}_ppl_domains"].get(n) for t in tags]
+        d, r = m.get("dense_ppl_domains", {}).get(n), m.get("recovered_ppl_domains", {}).get(n)
+        lines.append(f"| {n} | " + " | ".join(_fmt(v) for v in vals) + f" | {_fmt(r / d if d and r else None, 3)} |")
+    return lines + ["", "Unseen domains (`eval.domains`) are corpora the recovery never trained on.", ""]
+
+
 def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
     plots = out / "plots"
     make_dirs(plots)
@@ -83,6 +97,7 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         "",
         f"Held-out text: {cfg.data.heldout_sequences} sequences of {cfg.data.seq_len} tokens from "
         f"`{cfg.data.source}`, disjoint from the training documents.", "",
+        *_domain_table(m),
         "## Recovery", "",
         f"- method `{m.get('method')}`" + (f", preset `{m['preset']}`" if m.get("preset") else "")
         + f", learning rate {_fmt(m.get('lr'), 3)}, {_fmt(m.get('trainable_params'))} trainable parameters "

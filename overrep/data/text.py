@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["EMBEDDED", "EMBEDDED_FIELD", "EMBEDDED_FILE", "EMBEDDED_INSTALL_HINT", "EMBEDDED_PACKAGE",
            "HF_DEFAULT_LIMIT", "HF_PREFIX", "HF_SHUFFLE_BUFFER", "PACKAGE_CORPORA", "PIECE_CHARS", "TEXT_SUFFIXES",
            "embedded_corpus_path", "load_documents", "pack_documents", "split_documents", "tensor_fingerprint",
-           "token_splits"]
+           "token_splits", "mixture_parts"]
 
 
 def token_splits(
@@ -60,6 +60,11 @@ def token_splits(
         raise OverRepError(
             f"train_sequences and heldout_sequences must be at least 1, got {train_sequences} and {heldout_sequences}"
         )
+    parts = mixture_parts(source)
+    if len(parts) > 1:
+        return _mixture_splits(parts, tokenizer, seq_len=seq_len, train_sequences=train_sequences,
+                               heldout_sequences=heldout_sequences, seed=seed, text_field=text_field,
+                               limit_documents=limit_documents, progress=progress)
     docs = load_documents(source, limit=limit_documents, text_field=text_field, seed=seed)
     if len(docs) < 2:
         raise OverRepError(f"data source '{source}' holds {len(docs)} document; a split needs at least 2")
@@ -102,4 +107,50 @@ def token_splits(
         "data %s: %d train x %d tokens from %d documents, %d held out from %d documents",
         source, info["train_sequences"], seq_len, train_used, info["heldout_sequences"], len(held_docs),
     )
+    return train, heldout, info
+
+
+# --------------------------------------------------------------------------- mixtures
+MIX_SEPARATOR = "+"
+
+
+def mixture_parts(source: str) -> list[str]:
+    """``"embedded+c4"`` -> ``["embedded", "c4"]``; a single source -> ``[source]``."""
+    parts = [p.strip() for p in str(source).split(MIX_SEPARATOR)] if MIX_SEPARATOR in str(source) else [source]
+    if any(not p for p in parts) or len(set(parts)) != len(parts):
+        raise OverRepError(f"data source '{source}': a mixture names each source once, e.g. 'embedded+c4'")
+    return parts
+
+
+def _shares(total: int, n: int) -> list[int]:
+    return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+
+def _mixture_splits(parts: list[str], tokenizer, *, seq_len: int, train_sequences: int, heldout_sequences: int,
+                    seed: int, text_field: str, limit_documents: int | None, progress: bool):
+    """Every source split and packed on its own (equal shares of rows), then joined.
+
+    Held-out rows stay grouped by source (``info["components"][i]["heldout_rows"]``), so a
+    perplexity per domain costs nothing extra; training rows are shuffled together.
+    """
+    if train_sequences < len(parts) or heldout_sequences < len(parts):
+        raise OverRepError(f"a mixture of {len(parts)} sources needs at least {len(parts)} train and held-out rows")
+    trains, helds, components, row = [], [], [], 0
+    for part, n_train, n_held in zip(parts, _shares(train_sequences, len(parts)), _shares(heldout_sequences, len(parts))):
+        train, held, info = token_splits(part, tokenizer, seq_len=seq_len, train_sequences=n_train,
+                                         heldout_sequences=n_held, seed=seed, text_field=text_field,
+                                         limit_documents=limit_documents, progress=progress)
+        trains.append(train)
+        helds.append(held)
+        components.append({"source": part, "train_sequences": n_train, "heldout_sequences": n_held,
+                           "heldout_rows": [row, row + n_held], "train_fingerprint": info["train_fingerprint"]})
+        row += n_held
+    order = torch.randperm(train_sequences, generator=torch.Generator().manual_seed(seed))
+    train, heldout = torch.cat(trains)[order], torch.cat(helds)
+    info = {"source": MIX_SEPARATOR.join(parts), "seed": seed, "seq_len": seq_len, "text_field": text_field,
+            "limit_documents": limit_documents, "components": components,
+            "train_sequences": int(train.shape[0]), "heldout_sequences": int(heldout.shape[0]),
+            "train_tokens": int(train.numel()), "heldout_tokens": int(heldout.numel()),
+            "eos_token_id": _eos_id(tokenizer), "train_fingerprint": tensor_fingerprint(train),
+            "heldout_fingerprint": tensor_fingerprint(heldout)}
     return train, heldout, info

@@ -41,6 +41,7 @@ from torch import nn
 
 from ..atomic import save_torch
 from ..errors import OverRepError
+from ..core.precision import autocast
 from ..model.arch import decoder_layers, final_norm
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,7 @@ class Tail:
     the final norm (unless the module owns it) and the LM head."""
 
     def __init__(self, model: nn.Module, module, full_context: list[dict]):
+        self.module = module  # the tail runs at the module's training precision
         layers = decoder_layers(model)
         last = module.compact_indices[-1]
         self.blocks = [(layers[i], full_context[i]) for i in range(last + 1, len(layers))]
@@ -227,12 +229,13 @@ class Tail:
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        for block, kwargs in self.blocks:
-            out = block(h, **kwargs)
-            h = out[0] if isinstance(out, tuple) else out
-        if self.norm is not None:
-            h = self.norm(h)
-        logits = self.head(h).float()
+        with autocast(getattr(self.module, "precision", "fp32"), h.device):
+            for block, kwargs in self.blocks:
+                out = block(h, **kwargs)
+                h = out[0] if isinstance(out, tuple) else out
+            if self.norm is not None:
+                h = self.norm(h)
+            logits = self.head(h).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import save_torch, write_text
+from .budget import StepCosts
 from .sampler import epoch_batches
 from ..errors import OverRepError
 from .objectives import Objective
@@ -166,6 +167,58 @@ class Trainer:
         return True
 
     # ---- the loop ----------------------------------------------------------------
+    def _step(self) -> tuple[float, torch.Tensor]:
+        """One optimiser step at ``self.step``: (summed micro-batch loss, gradient norm)."""
+        cfg, obj = self.cfg, self.objective
+        for a in obj.activations:
+            a.set_step(self.step)
+        for g in self.opt.param_groups:
+            g["lr"] = cfg.lr * lr_factor(self.step, self.total, cfg.warmup_ratio, cfg.min_lr_ratio)
+        idx = self.batch_indices(self.step)
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for k in range(cfg.grad_accum):
+            loss = obj.loss(idx[k * self.micro:(k + 1) * self.micro]) / cfg.grad_accum
+            if not torch.isfinite(loss):
+                last = self.latest_checkpoint()
+                raise OverRepError(f"loss became {loss.item()} at step {self.step}; last good checkpoint: "
+                                   f"{last or 'none'} (lower recovery.lr, or check the data)")
+            loss.backward()
+            total += loss.item()
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        if not torch.isfinite(gnorm):
+            raise OverRepError(f"gradient norm became {gnorm.item()} at step {self.step}; last good "
+                               f"checkpoint: {self.latest_checkpoint() or 'none'} (lower recovery.lr)")
+        self.opt.step()
+        self.objective.after_optimizer_step(self.step)
+        return total, gnorm
+
+    def measure(self, steps: int = 3) -> StepCosts:
+        """Time ``steps`` real steps (after one untimed warm-up), one validation and one
+        checkpoint. It changes the weights: the caller rebuilds the recovery afterwards."""
+        import tempfile
+
+        self.objective.train(True)
+        self._step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self._step()
+            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        self.objective.validation_loss()
+        self.objective.validation_ppl()
+        validation = time.perf_counter() - t0
+        ckpt_dir = self.ckpt_dir
+        with tempfile.TemporaryDirectory(dir=ckpt_dir.parent if ckpt_dir.parent.exists() else None) as tmp:
+            self.ckpt_dir = Path(tmp)
+            t0 = time.perf_counter()
+            self.save_checkpoint()
+            checkpoint = time.perf_counter() - t0
+        self.ckpt_dir = ckpt_dir
+        return StepCosts(sorted(times)[len(times) // 2], validation, checkpoint)
+
     def run(self) -> TrainResult:
         cfg, obj = self.cfg, self.objective
         obj.train(True)
@@ -174,28 +227,7 @@ class Trainer:
         try:
             while self.step < self.total:
                 t0 = time.perf_counter()
-                for a in obj.activations:
-                    a.set_step(self.step)
-                for g in self.opt.param_groups:
-                    g["lr"] = cfg.lr * lr_factor(self.step, self.total, cfg.warmup_ratio, cfg.min_lr_ratio)
-                idx = self.batch_indices(self.step)
-                self.opt.zero_grad(set_to_none=True)
-                total = 0.0
-                for k in range(cfg.grad_accum):
-                    loss = obj.loss(idx[k * self.micro:(k + 1) * self.micro]) / cfg.grad_accum
-                    if not torch.isfinite(loss):
-                        last = self.latest_checkpoint()
-                        raise OverRepError(f"loss became {loss.item()} at step {self.step}; last good checkpoint: "
-                                           f"{last or 'none'} (lower recovery.lr, or check the data)")
-                    loss.backward()
-                    total += loss.item()
-                params = [p for g in self.opt.param_groups for p in g["params"]]
-                gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-                if not torch.isfinite(gnorm):
-                    raise OverRepError(f"gradient norm became {gnorm.item()} at step {self.step}; last good "
-                                       f"checkpoint: {self.latest_checkpoint() or 'none'} (lower recovery.lr)")
-                self.opt.step()
-                obj.after_optimizer_step(self.step)
+                total, gnorm = self._step()
                 self.step += 1
                 self.seconds += time.perf_counter() - t0
                 rec = {"step": self.step, "loss": total, "lr": self.opt.param_groups[0]["lr"],

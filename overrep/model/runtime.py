@@ -1,0 +1,44 @@
+"""Where and on what a run executes: the device, a fingerprint of the model's weights, peak memory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+
+import torch
+
+from ..errors import OverRepError
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model, source: str) -> str:
+    """Source, config and a sample of every weight tensor: cheap, and changes with the weights."""
+    h = hashlib.sha256(source.encode())
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise OverRepError(f"unknown device '{spec}'; use auto, cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OverRepError(f"device '{spec}' requested but CUDA is not available on this machine")
+    return device
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: GPU memory on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

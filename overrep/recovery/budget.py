@@ -1,0 +1,67 @@
+"""Time budgets: turn "recover within 20 minutes" into a step count, before training starts.
+
+The learning-rate and α schedules are functions of the total step count, so the count
+must be fixed before the first step for both schedules to complete (α reaches 0 and the
+merge is exact). A budgeted run therefore
+
+1. builds the recovery (the feature cache included: it is part of the budget),
+2. times a few real optimiser steps, one validation and one checkpoint
+   (:meth:`Trainer.measure <overrep.recovery.trainer.Trainer.measure>`),
+3. rebuilds the recovery from scratch, so the measured steps leave no trace,
+4. fixes the step count with :func:`fit_steps` from what is left of the budget.
+
+A resumed run takes the step count from its checkpoint instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from ..errors import OverRepError
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str | float | int, where: str = "recovery.time_budget") -> float:
+    """Seconds in ``"90s"``, ``"20m"``, ``"1.5h"`` or a plain number of seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h)?\s*", str(text))
+        if not m:
+            raise OverRepError(f"{where} must look like 90s, 20m or 1.5h, got {text!r}")
+        seconds = float(m.group(1)) * _UNITS[m.group(2) or ""]
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise OverRepError(f"{where} must be a positive duration, got {text!r}")
+    return seconds
+
+
+@dataclass
+class StepCosts:
+    """Measured seconds: one optimiser step, one validation, one checkpoint."""
+
+    step: float
+    validation: float
+    checkpoint: float
+
+    def run_seconds(self, steps: int, eval_every: int, checkpoint_every: int) -> float:
+        return (steps * self.step + math.ceil(steps / eval_every) * self.validation
+                + math.ceil(steps / checkpoint_every) * self.checkpoint)
+
+
+def fit_steps(seconds_left: float, costs: StepCosts, eval_every: int, checkpoint_every: int) -> int:
+    """The largest step count whose training fits in ``seconds_left`` (at least 1)."""
+    if costs.run_seconds(1, eval_every, checkpoint_every) > seconds_left:
+        return 1
+    lo, hi = 1, 2
+    while costs.run_seconds(hi, eval_every, checkpoint_every) <= seconds_left:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if costs.run_seconds(mid, eval_every, checkpoint_every) <= seconds_left:
+            lo = mid
+        else:
+            hi = mid
+    return lo
