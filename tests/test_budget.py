@@ -34,9 +34,20 @@ def test_fit_steps_is_the_largest_count_that_fits():
     assert fit_steps(1000.0, StepCosts(1.0, 0.0, 0.0), 10, 10) == 1000
 
 
-def test_budget_and_steps_conflict(assets, tmp_path):
-    with pytest.raises(OverRepError, match="give one"):
-        tiny_cfg(assets, tmp_path / "x", recovery__time_budget="1m")  # tiny_cfg sets steps
+def test_budget_flag_and_max_steps_conflict(assets, tmp_path, capsys):
+    from overrep.app.cli import main
+
+    cfg = tmp_path / "cfg.yaml"
+    tiny_cfg(assets, tmp_path / "x").save(cfg)
+    assert main(["run", "--config", str(cfg), "--max-steps", "3", "--time-budget", "1m", "--quiet"]) == 2
+    assert "give one" in capsys.readouterr().err
+
+
+def test_explicit_steps_take_precedence_over_a_budget(assets, tmp_path):
+    cfg = tiny_cfg(assets, tmp_path / "x", eval__perplexity=False, eval__latency=False, recovery__steps=3,
+                   recovery__time_budget="1h")
+    m = Pipeline(cfg, progress=False).run()
+    assert m["train_steps"] == 3 and "time_budget" not in m
 
 
 def test_budgeted_run_fixes_its_steps_and_completes_its_schedules(assets, tmp_path):

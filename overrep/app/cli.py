@@ -54,6 +54,8 @@ def _config(args):
 
     overrides = list(args.set)
     given = {item.split("=", 1)[0].strip() for item in overrides}
+    if getattr(args, "max_steps", None) is not None and getattr(args, "time_budget", None) is not None:
+        raise OverRepError("--max-steps and --time-budget both fix the step count; give one")
     for flag, key in (("model", "model.source"), ("preset", "recovery.preset"), ("output", "output"),
                       ("max_steps", "recovery.steps"), ("time_budget", "recovery.time_budget"), ("method", "recovery.method"), ("loss", "recovery.loss"),
                       ("criterion", "prune.criterion")):
@@ -147,7 +149,7 @@ def cmd_export(args) -> int:
     p.load()
     p.prune()
     p.build_recovery(with_data=False)
-    if p.cfg.recovery.time_budget is not None:  # the measured step count lives in the checkpoints
+    if p.cfg.recovery.time_budget is not None and p.cfg.recovery.steps is None:  # measured, in the checkpoints
         p.total_steps = p.checkpointed_total() or p.total_steps
         p.build_recovery(with_data=False)
     trainer = p.make_trainer()

@@ -46,7 +46,7 @@ class RecoveryConfig:
     block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when steps is not set)
-    time_budget: str | None = None  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h"; fixes the step count by measurement (instead of steps / epochs)
+    time_budget: str | None = None  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
     lr: float | None = None  # peak learning rate (AdamW); None = the method's default (overrep: 1e-3, chosen by measurement)
@@ -161,8 +161,6 @@ class RunConfig:
             from ..recovery.budget import parse_duration
 
             parse_duration(r.time_budget)
-            if r.steps is not None:
-                raise OverRepError("recovery.time_budget and recovery.steps both fix the step count; give one")
         if r.steps is None and r.epochs <= 0:
             raise OverRepError(f"recovery.epochs must be > 0, got {r.epochs}")
         for name, v in (("batch_size", r.batch_size), ("grad_accum", r.grad_accum),

@@ -320,7 +320,7 @@ class Pipeline:
         self.metrics["time_budget"] = info
 
     def train(self) -> None:
-        if self.cfg.recovery.time_budget is not None:
+        if self.cfg.recovery.time_budget is not None and self.cfg.recovery.steps is None:
             self.fit_time_budget()
         result = self.make_trainer().run()
         if "time_budget" in self.metrics:
