@@ -169,6 +169,8 @@ class Compare:
         extra = {"prune": {"ratio": ratio, "criterion": criterion}, "recovery": {"method": method}}
         if seconds is not None:  # a matched wall-clock cell: the run fixes its own step count
             extra["recovery"].update(steps=None, time_budget=f"{seconds:.1f}s")
+        else:  # a matched-epoch cell: the step count comes from the data, never from the clock
+            extra["recovery"]["time_budget"] = None
         config = _deep_update(self.base, extra)
         config.pop("output", None)
         name = f"{criterion}-{ratio:g}-{method}-{budget}-{_hash(config)}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +16,12 @@ from pathlib import Path
 import yaml
 
 from ..errors import OverRepError
+from ..paths import cache_root
 
 
 def default_cache_root() -> Path:
-    return Path(os.environ.get("OVERREP_CACHE", Path.home() / ".cache" / "overrep"))
+    """The project's cache root (:func:`overrep.paths.cache_root`)."""
+    return cache_root()
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ModelConfig:
 class PruneConfig:
     ratio: float | None = 0.25  # fraction of the model's parameters to remove, rounded to whole blocks
     remove: str | None = None  # explicit block indices instead of a ratio, e.g. "21-28" or "3,5,7-9"
-    criterion: str = "last"  # which blocks a ratio removes: a name in overrep.pruning.registry (`overrep methods` lists them)
+    criterion: str = "cosine"  # which blocks a ratio removes: a name in overrep.pruning.registry (`overrep methods` lists them)
     calibration_sequences: int = 32  # training sequences the data-driven criteria score blocks on
 
 
@@ -45,8 +46,8 @@ class RecoveryConfig:
     blocks: int = 2  # recovery blocks per removed segment (block before it + blocks after it)
     block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
     steps: int | None = None  # optimiser steps; overrides epochs when set
-    epochs: float = 4.5  # passes over the training sequences (used when steps is not set)
-    time_budget: str | None = None  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
+    epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)
+    time_budget: str | None = "16m"  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
     lr: float | None = None  # peak learning rate (AdamW); None = the method's default (overrep: 1e-3, chosen by measurement)
@@ -61,7 +62,7 @@ class RecoveryConfig:
     lora_rank: int = 16  # lora / adalora: rank r (adalora starts at 2r and allocates down to an average of r)
     lora_alpha: float = 32.0  # lora / adalora: scaling alpha (lora-iso keeps alpha / r)
     lora_dropout: float = 0.05  # lora / adalora: dropout on the adapter input
-    loss: str = "kl-topk"  # overrep / plain / streamline: layer-wise loss, mse (the paper's) | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`; chosen by held-out perplexity, docs/losses.md)
+    loss: str = "normed"  # overrep / plain / streamline: layer-wise loss, mse (the paper's) | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`; chosen by held-out perplexity, docs/losses.md)
     loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term
     loss_switch: float = 0.5  # A>B losses: fraction of the steps after which B replaces A
     loss_topk: int = 64  # kl-topk: teacher log-probabilities cached per token

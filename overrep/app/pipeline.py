@@ -309,7 +309,7 @@ class Pipeline:
         if total is None:
             costs = self.make_trainer().measure()
             left = budget - (time.perf_counter() - self.recovery_started) - self.build_seconds
-            total = fit_steps(left, costs, r.eval_every, r.checkpoint_every)
+            total = fit_steps(0.97 * left, costs, r.eval_every, r.checkpoint_every)  # 3% for what is not measured
             info.update(measured_seconds_per_step=costs.step, measured_validation_seconds=costs.validation,
                         measured_checkpoint_seconds=costs.checkpoint)
             log.info("time budget %.0f s: %.2f s per step, %.0f s left -> %d steps", budget, costs.step, left, total)

@@ -8,11 +8,11 @@
   it leaves out, with the reason.
 * **RR** = trainable recovery parameters / parameters of the pruned model x 100, from a
   pipeline output's ``metrics.json`` (:func:`recovery_ratio`).
-* **Perplexity** with a sliding window (:func:`perplexity`): windows of ``seq_len``
-  tokens advance by ``stride``; each token is scored once, by the first window that
-  holds it as a prediction target, with the rest of that window as context. With
-  ``stride == seq_len`` the windows do not overlap and the result equals
-  :func:`overrep.eval.measure.perplexity` on the same rows.
+* **Perplexity** with a sliding window (:func:`overrep.model.perplexity.perplexity_windows`,
+  re-exported as ``perplexity``): windows of ``seq_len`` tokens advance by ``stride``; each
+  token is scored once, by the first window that holds it as a prediction target, with the
+  rest of that window as context. The project's row perplexity is its ``stride == seq_len``
+  case.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import json
 import math
 from pathlib import Path
 
-import torch
-
 from ..errors import OverRepError
+from ..model.perplexity import perplexity_windows as perplexity, sliding_windows  # noqa: F401  (one definition)
 from .benchmarks import BENCHMARKS, SUITES
 from .results import load_results
 
@@ -148,82 +147,6 @@ def recovery_ratio(metrics) -> dict:
 
 
 # --------------------------------------------------------------------------- perplexity
-
-
-def sliding_windows(length: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
-    """``(begin, end, first_target)`` of each window over a row of ``length`` tokens.
-
-    Window ``k`` covers tokens ``[k*stride, k*stride + seq_len)`` (clipped to the row) and
-    scores the targets in ``[first_target, end)`` not scored by an earlier window; token 0
-    has no context and is never scored.
-    """
-    if seq_len < 2:
-        raise OverRepError(f"seq_len must be at least 2, got {seq_len}")
-    if not 1 <= stride <= seq_len:
-        raise OverRepError(f"stride must be between 1 and seq_len ({seq_len}), got {stride}")
-    windows, scored_to, begin = [], 1, 0
-    while True:
-        end = min(begin + seq_len, length)
-        first = max(scored_to, begin + 1)
-        if end > first:
-            windows.append((begin, end, first))
-        scored_to = max(scored_to, end)
-        if end >= length:
-            return windows
-        begin += stride
-
-
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor, seq_len: int, stride: int | None = None, *, batch_size: int = 8,
-               progress: bool = False) -> dict:
-    """Sliding-window perplexity of ``model`` on ``ids``.
-
-    Args:
-        ids: one token stream ``[T]`` or independent rows ``[N, T]`` (no context crosses rows).
-        seq_len: tokens per window (the model's context for the scored tokens).
-        stride: how far windows advance (default ``seq_len``: no overlap). A smaller stride
-            gives each scored token more context: token ``t`` of a window sees at least
-            ``seq_len - stride`` earlier tokens, except in the first window.
-        batch_size: windows per forward pass.
-
-    Returns:
-        ``{"perplexity", "nll" (mean, nats/token), "tokens" (scored), "windows", "seq_len", "stride"}``.
-    """
-    stride = seq_len if stride is None else int(stride)
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(0)
-    if ids.dim() != 2 or ids.shape[1] < 2:
-        raise OverRepError(f"ids must be [T] or [N, T] with T >= 2, got shape {tuple(ids.shape)}")
-    ids = ids.long()
-    jobs = [(r, w) for r in range(ids.shape[0]) for w in sliding_windows(ids.shape[1], seq_len, stride)]
-    by_len: dict[int, list] = {}
-    for r, (b, e, f) in jobs:
-        by_len.setdefault(e - b, []).append((r, b, e, f))
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    total_nll, total_tokens = 0.0, 0
-    try:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(jobs), desc="perplexity", unit="window", disable=not progress, leave=False)
-        for length, group in by_len.items():
-            for i in range(0, len(group), batch_size):
-                chunk = group[i:i + batch_size]
-                x = torch.stack([ids[r, b:e] for r, b, e, _ in chunk]).to(device)
-                logp = torch.log_softmax(model(input_ids=x, use_cache=False).logits.float(), dim=-1)
-                for j, (r, b, e, f) in enumerate(chunk):
-                    pos = torch.arange(f - b - 1, e - b - 1, device=device)  # positions predicting f..e-1
-                    tgt = x[j, f - b:e - b]
-                    total_nll -= logp[j, pos, tgt].double().sum().item()
-                    total_tokens += e - f
-                bar.update(len(chunk))
-        bar.close()
-    finally:
-        model.train(was_training)
-    mean = total_nll / total_tokens
-    return {"perplexity": math.exp(mean), "nll": mean, "tokens": total_tokens, "windows": len(jobs),
-            "seq_len": seq_len, "stride": stride}
 
 
 def heldout_perplexity(model, tokenizer, *, source: str | None = None, seq_len: int = 256,

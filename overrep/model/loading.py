@@ -32,6 +32,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import OverRepError
+from ..paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +54,8 @@ _FALSE_VALUES = {"", "0", "false", "no", "off"}
 
 
 def cache_dir() -> pathlib.Path:
-    """The project's cache root: ``$OVERREP_CACHE``, else ``~/.cache/overrep``."""
-    root = os.environ.get("OVERREP_CACHE")
-    if root:
-        return pathlib.Path(root).expanduser()
-    return pathlib.Path.home() / ".cache" / "overrep"
+    """The project's cache root (:func:`overrep.paths.cache_root`)."""
+    return cache_root()
 
 
 def embedded_gguf_path() -> pathlib.Path:

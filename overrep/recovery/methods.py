@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..errors import OverRepError
+from ..registry import Registry
 from ..model.arch import block_parts, decoder_layers
 from ..model.hooks import capture_layer_context, module_context
 from ..model.presets import get_preset
@@ -60,11 +61,14 @@ class Method:
     blocks: int | None = None  # forced recovery blocks per run (None: recovery.blocks)
 
 
-METHODS: dict[str, Method] = {m.name: m for m in [
-    Method("overrep", "OverRep: overcomplete recovery blocks, layer-wise MSE, folded back exactly",
+#: Every recovery method: registering a Method here is the one edit that makes it known
+#: (``recovery.method`` validation, ``overrep methods``, ``overrep compare``).
+METHODS: Registry[Method] = Registry("recovery method")
+for _m in [
+    Method("overrep", "OverRep: overcomplete recovery blocks, layer-wise loss (recovery.loss), folded back exactly",
            "layerwise", "mse", 1e-3),
-    Method("plain", "the same recovery blocks and MSE without W, D or annealing", "layerwise", "mse", 1e-3,
-           preset="plain"),
+    Method("plain", "the same recovery blocks and layer-wise loss without W, D or annealing", "layerwise", "mse",
+           1e-3, preset="plain"),
     Method("streamline", "Streamline: one block (all weights) trained to replace the removed run",
            "layerwise", "mse", 1e-3, preset="plain-full", blocks=1),
     Method("lora", "PEFT LoRA on all projections, language-model loss, merged", "adapter", "lm", 1e-3),
@@ -76,12 +80,11 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "full", "kd", 1e-4),
     Method("overrep-kd", "OverRep's parameterisation trained with the logit-KD objective",
            "overcomplete-kd", "kd", 1e-3),
-]}
+]:
+    METHODS.register(_m)
 
 
 def get_method(name: str) -> Method:
-    if name not in METHODS:
-        raise OverRepError(f"unknown recovery method '{name}'; available: {', '.join(METHODS)}")
     return METHODS[name]
 
 

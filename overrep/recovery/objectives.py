@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.experts import is_fused_experts
 from ..core.projection import OvercompleteLinear
 
 # indices -> per module {"inputs": [B,T,H], "targets": [B,T,H]}
@@ -40,17 +41,17 @@ def pretrained_matrix_ids(module: nn.Module) -> set[int]:
             ids.add(id(m.base_layer.weight))
         elif type(m) is nn.Linear:
             ids.add(id(m.weight))
-    for name, p in module.named_parameters():
-        if name.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3:  # fused experts
-            ids.add(id(p))
+        elif is_fused_experts(m):  # the stacked expert matrices (wrapped or not), found by structure
+            ids.update((id(m.gate_up_proj), id(m.down_proj)))
     return ids
 
 
 class Objective:
     """Interface used by the Trainer; subclasses override what they need."""
 
-    #: the annealed activations this objective's model contains (stepped by the Trainer)
-    activations: list = []
+    #: the annealed activations this objective's model contains (stepped by the Trainer);
+    #: an immutable default, so no two objectives can share (and mutate) one list
+    activations: tuple | list = ()
 
     def parameters(self) -> list[nn.Parameter]:
         raise NotImplementedError

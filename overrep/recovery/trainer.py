@@ -194,18 +194,28 @@ class Trainer:
         self.objective.after_optimizer_step(self.step)
         return total, gnorm
 
-    def measure(self, steps: int = 3) -> StepCosts:
-        """Time ``steps`` real steps (after one untimed warm-up), one validation and one
-        checkpoint. It changes the weights: the caller rebuilds the recovery afterwards."""
+    def measure(self, steps: int = 2) -> StepCosts:
+        """Time real steps where the schedule spends its time -- ``steps`` in the annealing
+        phase (α > 0, two factors per projection) and ``steps`` in the final linear phase
+        (folded projections), weighted by their shares of the run -- plus one validation and
+        one checkpoint. It changes the weights: the caller rebuilds the recovery afterwards."""
         import tempfile
 
         self.objective.train(True)
-        self._step()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            self._step()
-            times.append(time.perf_counter() - t0)
+
+        def timed(at: int) -> float:
+            self.step = at
+            self._step()  # untimed: the first step at a new phase pays one-off costs
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                self._step()
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[len(times) // 2]
+
+        linear = min(1.0, max(0.0, self.cfg.alpha_linear_ratio)) if self.objective.activations else 0.0
+        step = (1 - linear) * timed(self.total // 2) + (linear * timed(self.total - 1) if linear else 0.0)
+        self.step = 0
         t0 = time.perf_counter()
         self.objective.validation_loss()
         self.objective.validation_ppl()
@@ -217,7 +227,7 @@ class Trainer:
             self.save_checkpoint()
             checkpoint = time.perf_counter() - t0
         self.ckpt_dir = ckpt_dir
-        return StepCosts(sorted(times)[len(times) // 2], validation, checkpoint)
+        return StepCosts(step, validation, checkpoint)
 
     def run(self) -> TrainResult:
         cfg, obj = self.cfg, self.objective
