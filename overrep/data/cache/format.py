@@ -9,7 +9,6 @@ import os
 import re
 import struct
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ...atomic import fsync_dir, temporary_sibling
 from ...errors import OverRepError
 
 
@@ -84,23 +84,10 @@ def _no_space_error(path: Path) -> OverRepError:
     )
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable: the directory entry itself must reach the disk."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. platforms that cannot open directories; best effort
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _tmp_path(final: Path) -> Path:
-    # Hidden, unique per writer, and recognisable by _TMP_RE so stale ones get swept.
-    return final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+# The project's one implementation of both (hidden, unique temporary names that _TMP_RE
+# recognises, so stale ones get swept; a durable rename).
+_fsync_dir = fsync_dir
+_tmp_path = temporary_sibling
 
 
 def _remove_quietly(path: Path) -> None:
