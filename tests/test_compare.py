@@ -40,10 +40,13 @@ def test_grid_runs_caches_and_extends(assets, tmp_path, capsys):
     assert all(r["status"] == "ok" for r in rows.values())
     ref, lora = rows[("overrep", "epochs")], rows[("lora", "epochs")]
     assert ref["steps"] == lora["steps"] == 4  # matched epochs: 16 sequences / batch 4
-    # matched wall-clock: the reference's features + training time over lora's seconds per step
+    # matched wall-clock: the reference's features + training time is lora's time budget; the
+    # cell measures its own steps and fixes its step count to fit (recovery.time_budget)
     budget = ref["train_seconds"] + ref["feature_seconds"]
-    expected = max(1, int(budget // (lora["train_seconds"] / lora["steps"])))
-    assert rows[("lora", "wallclock")]["steps"] == expected
+    (cell,) = [d for d in (out / "cells").glob("*-lora-wallclock-*") if d.is_dir()]
+    m = json.loads((cell / "metrics.json").read_text())
+    assert m["time_budget"]["seconds"] == pytest.approx(budget, abs=1e-3)
+    assert rows[("lora", "wallclock")]["steps"] == m["time_budget"]["steps"] == m["train_steps"] >= 1
     assert ref["removed_layers"] == lora["removed_layers"]  # same pruned model
     assert lora["trainable_params"] < ref["trainable_params"]
     assert all(r["peak_memory_bytes"] > 0 and r["ppl"] > 0 for r in rows.values())

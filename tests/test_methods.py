@@ -172,8 +172,6 @@ def test_unknown_method_is_one_clear_error(assets, tmp_path):
 
 def test_data_driven_criterion_runs_on_the_pipeline_and_is_reused(assets, tmp_path, monkeypatch):
     """block-influence from the config: scored on the training rows, cached, and recovered."""
-    import overrep.app.pipeline as pipeline_module
-
     cfg = tiny_cfg(assets, tmp_path / "bi", prune__remove=None, prune__ratio=0.3,
                    prune__criterion="block-influence", **FAST)
     m = Pipeline(cfg, progress=False).run()
@@ -183,7 +181,9 @@ def test_data_driven_criterion_runs_on_the_pipeline_and_is_reused(assets, tmp_pa
     def never(*a, **k):
         raise AssertionError("the criterion ran again instead of reusing its cached selection")
 
-    monkeypatch.setattr(pipeline_module, "get_criterion", lambda name: never)
+    import overrep.pruning.cached as cached_module
+
+    monkeypatch.setattr(cached_module, "get_criterion", lambda name: never)
     again = Pipeline(tiny_cfg(assets, tmp_path / "bi2", prune__remove=None, prune__ratio=0.3,
                               prune__criterion="block-influence", **FAST), progress=False)
     again.load()

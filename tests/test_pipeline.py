@@ -169,6 +169,7 @@ def test_real_embedded_model_few_steps(tmp_path):
     """The default model and corpus, a few steps: loads, prunes 25%, recovers, exports."""
     cfg = RunConfig.load(overrides={
         "recovery": {"steps": 12, "batch_size": 4, "checkpoint_every": 12, "eval_every": 12},
+        "prune": {"criterion": "last"},  # the paper's mask, whose target is after the final norm
         "data": {"seq_len": 64, "train_sequences": 16, "heldout_sequences": 4},
         "cache": {"dir": str(tmp_path / "cache")},
         "eval": {"latency": False},

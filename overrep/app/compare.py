@@ -168,7 +168,7 @@ class Compare:
     def cell(self, criterion: str, ratio: float, method: str, budget: str, seconds: float | None = None) -> Cell:
         extra = {"prune": {"ratio": ratio, "criterion": criterion}, "recovery": {"method": method}}
         if seconds is not None:  # a matched wall-clock cell: the run fixes its own step count
-            extra["recovery"].update(steps=None, time_budget=f"{seconds:.1f}s")
+            extra["recovery"].update(steps=None, time_budget=f"{seconds:.3f}s")
         else:  # a matched-epoch cell: the step count comes from the data, never from the clock
             extra["recovery"]["time_budget"] = None
         config = _deep_update(self.base, extra)
@@ -195,7 +195,7 @@ class Compare:
             if features < 1.0:  # reused the reference's cache: charge what that cost
                 features = ref.get("timings_seconds", {}).get("cache", 0.0)
             budget -= features
-        return self.cell(criterion, ratio, method, "wallclock", seconds=max(1.0, budget))
+        return self.cell(criterion, ratio, method, "wallclock", seconds=max(1e-3, budget))
 
     def run_cell(self, cell: Cell) -> dict | None:
         if cell.done:
