@@ -11,6 +11,7 @@ messages; a full disk is named as such whatever layer noticed it (an ``OSError``
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -105,22 +106,30 @@ def _remove(path: Path) -> None:
             pass
 
 
-def write_file(final: str | Path, write: Callable[[Path], None], what: str = "") -> Path:
-    """``write(tmp)`` fills a temporary file; it becomes ``final`` only if that succeeded."""
-    final = Path(final)
-    make_dirs(final.parent)
-    tmp = temporary_sibling(final)
+@contextlib.contextmanager
+def _undone_on_failure(tmp: Path, final: Path, what: str):
+    """Any failure inside removes ``tmp``; Ctrl-C passes through, anything else becomes the
+    one-line :func:`write_error` for ``final``."""
     try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        yield
     except KeyboardInterrupt:
         _remove(tmp)
         raise
     except BaseException as e:
         _remove(tmp)
         raise write_error(final, e, what) from None
+
+
+def write_file(final: str | Path, write: Callable[[Path], None], what: str = "") -> Path:
+    """``write(tmp)`` fills a temporary file; it becomes ``final`` only if that succeeded."""
+    final = Path(final)
+    make_dirs(final.parent)
+    tmp = temporary_sibling(final)
+    with _undone_on_failure(tmp, final, what):
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
     fsync_dir(final.parent)
     return final
 
@@ -158,7 +167,7 @@ def write_dir(final: str | Path, write: Callable[[Path], None], what: str = "fol
     final = Path(final)
     make_dirs(final.parent)
     tmp = temporary_sibling(final, "partial")
-    try:
+    with _undone_on_failure(tmp, final, what):
         tmp.mkdir()
         write(tmp)
         for f in sorted(tmp.rglob("*")):
@@ -173,11 +182,5 @@ def write_dir(final: str | Path, write: Callable[[Path], None], what: str = "fol
             _remove(old)
         else:
             os.replace(tmp, final)
-    except KeyboardInterrupt:
-        _remove(tmp)
-        raise
-    except BaseException as e:
-        _remove(tmp)
-        raise write_error(final, e, what) from None
     fsync_dir(final.parent)
     return final
