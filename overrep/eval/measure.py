@@ -1,4 +1,4 @@
-"""Held-out perplexity, generation latency and parameter counts."""
+"""Generation latency (perplexity: :mod:`overrep.model.perplexity`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import time
 
 import torch
 
-from ..model.perplexity import perplexity  # noqa: F401  (one definition, re-exported here)
 
 
 @torch.no_grad()
