@@ -116,3 +116,43 @@ def test_wallclock_implies_the_epoch_cells(assets, tmp_path):
     cells = Compare(cfg).epoch_cells("last", 0.3)
     assert [c.method for c in cells] == ["overrep", "lora"]  # the reference first
     assert len({c.dir for c in cells}) == 2
+
+
+def test_duration_budgets_charge_layerwise_features_once(assets, tmp_path):
+    cfg = CompareConfig.load(grid_file(assets, tmp_path, methods=["overrep", "plain", "lora"],
+                                       budgets=["2.5m", 600], seeds=[0, 1]))
+    assert cfg.budgets == ["2.5m", "600s"]
+    grid = Compare(cfg)
+    assert grid.plan_cells() == 2 * 3 * 2
+    # no features built yet: the first layer-wise cell pays for them inside its own budget
+    assert grid.duration_cell("last", 0.3, "overrep", "2.5m").config["recovery"]["time_budget"] == "150.000s"
+    grid.feature_seconds[("last", 0.3)] = 40.0  # what building them cost
+    plain = grid.duration_cell("last", 0.3, "plain", "2.5m", seed=1)
+    lora = grid.duration_cell("last", 0.3, "lora", "2.5m", seed=1)
+    assert plain.config["recovery"]["time_budget"] == "110.000s"  # charged, the cache now being warm
+    assert lora.config["recovery"]["time_budget"] == "150.000s"  # runs its teacher-free training live
+    assert plain.config["recovery"]["seed"] == lora.seed == 1 and "seed 1" in plain.label
+    assert plain.dir != grid.duration_cell("last", 0.3, "plain", "2.5m", seed=0).dir
+
+
+def test_duration_grid_reports_the_spread_over_seeds(assets, tmp_path):
+    config = grid_file(assets, tmp_path, methods=["overrep"], budgets=["6s"], seeds=[0, 1])
+    assert main(["compare", "--config", config, "--quiet"]) == 0
+    out = tmp_path / "grid"
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert sorted((r["seed"], r["budget"], r["budget_seconds"]) for r in rows) == [(0, "6s", 6.0), (1, "6s", 6.0)]
+    for r in rows:
+        m = json.loads((tmp_path / "grid" / "cells" / r["cell"].split("/")[-1] / "metrics.json").read_text())
+        assert m["time_budget"]["seconds"] == 6.0 and m["train_steps"] == m["time_budget"]["steps"] >= 1
+    text = (out / "results.md").read_text()
+    assert "wall-clock budget 6s" in text and "Over seeds: overrep" in text and "(n=2" in text
+    assert (out / "plots" / "perplexity_vs_budget.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("over, msg", [
+    ({"budgets": ["5 minutes"]}, "unknown budget '5 minutes'"),
+    ({"seeds": [-1]}, "seeds must be non-negative integers"),
+])
+def test_bad_budgets_and_seeds(assets, tmp_path, over, msg):
+    with pytest.raises(OverRepError, match=msg):
+        CompareConfig.load(grid_file(assets, tmp_path, **over))

@@ -126,7 +126,7 @@ def test_removing_block_0_trains_the_module_on_the_embeddings(assets, tmp_path):
     (group,) = p.plan.groups
     assert group.input_layer == 0 and group.module_layers[0] == 1
     ids = p.train_ids[:2]
-    feats = p.teacher_batch(ids)[0]
+    feats = p.teacher.batch(ids)[0]
     embeddings = p.dense.get_input_embeddings()(ids)
     assert torch.equal(feats["inputs"], embeddings)
     # ... and that is what the compact model feeds its first block.
@@ -186,7 +186,7 @@ def test_trained_and_merged_modules_agree_independently(assets, tmp_path):
         a.set_alpha(last_alpha)
     for m in rec.modules:  # the trained weights' function in exact (fp32) arithmetic, as merged
         m.precision = "fp32"
-    probe = p.teacher_batch(p.heldout_ids[:2])
+    probe = p.teacher.batch(p.heldout_ids[:2])
     with torch.no_grad():
         trained = [m(f["inputs"], c).clone() for m, f, c in zip(rec.modules, probe, rec.contexts)]
         p.merge()

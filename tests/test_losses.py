@@ -72,13 +72,13 @@ def test_fisher_weights_are_positive_finite_and_cached(assets, tmp_path, monkeyp
     cfg = tiny_cfg(assets, tmp_path / "f", recovery__loss="fisher", prune__remove="2-3")
     pipe = Pipeline(cfg, progress=False)
     pipe.load(create_output=False)
-    w = losses.cached_fisher(pipe)
+    w = losses.cached_fisher(pipe.teacher, pipe.cfg.recovery.fisher_sequences)
     assert len(w) == len(pipe.plan.groups) == 1
     assert w[0].shape == (pipe.dense.config.hidden_size,)
     assert torch.isfinite(w[0]).all() and (w[0] > 0).all()
     assert abs(w[0].mean().item() - 1) < 1e-5
     monkeypatch.setattr(losses, "fisher_diagonal", lambda *a, **k: pytest.fail("recomputed"))
-    assert torch.equal(losses.cached_fisher(pipe)[0], w[0])
+    assert torch.equal(losses.cached_fisher(pipe.teacher, pipe.cfg.recovery.fisher_sequences)[0], w[0])
 
 
 def test_mse_is_the_original_objective_bit_for_bit():

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from overrep.model.arch import decoder_layers
 from overrep.errors import OverRepError
+from overrep.model.accounting import recovery_account
 from overrep.recovery.methods import METHODS, iso_rank, lora_params_per_rank
 from overrep.recovery.objectives import LogitDistillation
 from overrep.app.pipeline import Pipeline
@@ -104,10 +105,13 @@ def test_iso_rank_matches_overrep_trainable_parameters(assets, tmp_path):
     p.prune()
     per_rank = lora_params_per_rank(p.pruned)
     layers_before = p.dense.config.num_hidden_layers
-    target = p.overrep_trainable_params()
+    r = p.cfg.recovery
+    target = recovery_account(p.dense.config, p.plan.removed, r.preset, blocks=r.blocks,
+                              block1_init=r.block1_init)["trainable_params"]
     assert p.dense.config.num_hidden_layers == layers_before  # the account never touches the model's config
     expected_rank = iso_rank(p.pruned, target)
     p.build_recovery(with_data=False)
+    assert p.recovery.iso_target == target
     assert p.recovery.rank == expected_rank == round(target / per_rank)
     assert p.recovery.trainable_params == expected_rank * per_rank
     assert abs(p.recovery.trainable_params - target) <= per_rank / 2 + 1

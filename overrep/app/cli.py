@@ -249,13 +249,20 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def _ints(values: list[str] | None) -> list[int] | None:
+    try:
+        return None if values is None else [int(v) for v in values]
+    except ValueError:
+        raise OverRepError(f"--seeds must be comma-separated integers, got {','.join(values)}") from None
+
+
 def cmd_compare(args) -> int:
     from .compare import Compare, CompareConfig
 
     split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
     cfg = CompareConfig.load(args.config, {"output": args.output, "methods": split(args.methods),
                                            "criteria": split(args.criteria), "ratios": split(args.ratios),
-                                           "budgets": split(args.budgets)})
+                                           "budgets": split(args.budgets), "seeds": _ints(split(args.seeds))})
     if args.no_benchmarks:
         cfg.benchmarks = None
     results = Compare(cfg, progress=not args.quiet).run()
@@ -314,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--methods", help="comma-separated, overrides the file (see `overrep methods`)")
     c.add_argument("--criteria", help=f"comma-separated pruning criteria ({CRITERIA.choices()}), overrides the file")
     c.add_argument("--ratios", help="comma-separated pruning ratios, overrides the file")
-    c.add_argument("--budgets", help="epochs and/or wallclock, overrides the file")
+    c.add_argument("--budgets", help="epochs, wallclock and/or durations such as 5m,10m (features + training), overrides the file")
+    c.add_argument("--seeds", help="comma-separated recovery seeds (every cell once per seed), overrides the file")
     c.add_argument("--no-benchmarks", action="store_true", help="held-out perplexity only (skip lm-eval RP)")
     c.add_argument("--quiet", action="store_true")
     return parser

@@ -9,7 +9,8 @@ One YAML file describes the grid::
     methods: [overrep, plain, streamline, lora, adalora, lora-iso, full-ft, logit-kd, overrep-kd]
     criteria: [last]
     ratios: [0.25, 0.5]
-    budgets: [epochs, wallclock]
+    budgets: [epochs, wallclock, 5m, 10m]
+    seeds: [0, 1, 2]          # optional (default [0]): every cell once per recovery seed
     benchmarks: {tasks: [arc_easy, piqa], limit: 100}     # optional (null: perplexity only)
     output: runs/compare
 
@@ -23,6 +24,10 @@ Budgets:
   ``epochs``). Layer-wise methods pay for their feature cache out of the same budget (its
   cost is charged even when the grid's shared cache makes it free); methods on the whole
   model run the dense teacher (or nothing) live instead.
+* a duration (``2.5m``, ``10m``, ``600s``, ``1h``) -- every method gets that much wall-clock,
+  feature caching included, as ``recovery.time_budget``: quality per unit of compute. A
+  layer-wise cell on a plan whose features an earlier cell of the grid built is charged
+  what building them cost, so every layer-wise method pays for its features once.
 
 Each cell is a normal ``overrep run`` in its own folder under ``cells/`` (named by its
 configuration's hash), run as a subprocess so its peak memory is its own. A finished cell
@@ -52,11 +57,17 @@ import yaml
 from .config import RunConfig, read_yaml
 from ..errors import OverRepError
 from ..atomic import write_json
+from ..recovery.budget import parse_duration
 from ..recovery.methods import METHODS
 
 log = logging.getLogger(__name__)
 
-BUDGETS = ("epochs", "wallclock")
+BUDGETS = ("epochs", "wallclock")  # and durations ("5m", "600s"): see budget_seconds
+
+
+def budget_seconds(budget: str) -> float | None:
+    """The wall-clock of a duration budget; None for ``epochs`` and ``wallclock``."""
+    return None if budget in BUDGETS else parse_duration(budget, "compare budget")
 
 
 @dataclass
@@ -66,6 +77,7 @@ class CompareConfig:
     criteria: list = field(default_factory=lambda: ["last"])
     ratios: list = field(default_factory=lambda: [0.25])
     budgets: list = field(default_factory=lambda: ["epochs"])
+    seeds: list = field(default_factory=lambda: [0])  # recovery.seed of every cell (spread over seeds)
     reference: str = "overrep"
     benchmarks: dict | None = None  # {"tasks": [...], "limit": N}
     output: str = "runs/compare"
@@ -83,7 +95,7 @@ class CompareConfig:
         return cfg
 
     def validate(self) -> None:
-        for name in ("methods", "criteria", "ratios", "budgets"):
+        for name in ("methods", "criteria", "ratios", "budgets", "seeds"):
             value = getattr(self, name)
             if isinstance(value, (str, int, float)):
                 setattr(self, name, [value])
@@ -97,9 +109,15 @@ class CompareConfig:
         bad = [c for c in self.criteria if c not in CRITERIA]
         if bad:
             raise OverRepError(f"compare: unknown criterion '{bad[0]}'; available: {', '.join(CRITERIA)}")
-        bad = [b for b in self.budgets if b not in BUDGETS]
-        if bad:
-            raise OverRepError(f"compare: unknown budget '{bad[0]}'; use {' and/or '.join(BUDGETS)}")
+        self.budgets = [f"{b:g}s" if isinstance(b, (int, float)) else str(b) for b in self.budgets]
+        for b in self.budgets:
+            try:
+                budget_seconds(b)
+            except OverRepError:
+                raise OverRepError(f"compare: unknown budget '{b}'; use epochs, wallclock or a duration "
+                                   "such as 5m or 600s") from None
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
+            raise OverRepError(f"compare: seeds must be non-negative integers, got {self.seeds}")
         try:
             self.ratios = [float(r) for r in self.ratios]
         except (TypeError, ValueError):
@@ -122,10 +140,11 @@ class Cell:
     budget: str
     config: dict  # the cell's full RunConfig dict (output filled in)
     dir: Path
+    seed: int = 0
 
     @property
     def label(self) -> str:
-        return f"{self.criterion} {self.ratio:g} {self.method} ({self.budget})"
+        return f"{self.criterion} {self.ratio:g} {self.method} ({self.budget}{f', seed {self.seed}' if self.seed else ''})"
 
     @property
     def metrics_path(self) -> Path:
@@ -163,11 +182,13 @@ class Compare:
         base["eval"].update(latency=False, benchmarks=None, perplexity=True)
         base["prune"]["remove"] = None
         self.base = base
+        self.feature_seconds: dict[tuple[str, float], float] = {}  # (criterion, ratio) -> cache build seconds
 
     # ---- cells ---------------------------------------------------------------------
-    def cell(self, criterion: str, ratio: float, method: str, budget: str, seconds: float | None = None) -> Cell:
-        extra = {"prune": {"ratio": ratio, "criterion": criterion}, "recovery": {"method": method}}
-        if seconds is not None:  # a matched wall-clock cell: the run fixes its own step count
+    def cell(self, criterion: str, ratio: float, method: str, budget: str, seconds: float | None = None,
+             seed: int = 0) -> Cell:
+        extra = {"prune": {"ratio": ratio, "criterion": criterion}, "recovery": {"method": method, "seed": seed}}
+        if seconds is not None:  # a wall-clock cell: the run fixes its own step count
             extra["recovery"].update(steps=None, time_budget=f"{seconds:.3f}s")
         else:  # a matched-epoch cell: the step count comes from the data, never from the clock
             extra["recovery"]["time_budget"] = None
@@ -175,27 +196,43 @@ class Compare:
         config.pop("output", None)
         name = f"{criterion}-{ratio:g}-{method}-{budget}-{_hash(config)}"
         d = self.out / "cells" / name
-        return Cell(criterion, ratio, method, budget, {**config, "output": str(d)}, d)
+        return Cell(criterion, ratio, method, budget, {**config, "output": str(d)}, d, seed)
 
-    def epoch_cells(self, criterion: str, ratio: float) -> list[Cell]:
+    def epoch_cells(self, criterion: str, ratio: float, seed: int = 0) -> list[Cell]:
         ref = self.cfg.reference
         order = [ref] + [m for m in self.cfg.methods if m != ref] if ref in self.cfg.methods else self.cfg.methods
-        return [self.cell(criterion, ratio, m, "epochs") for m in order]
+        return [self.cell(criterion, ratio, m, "epochs", seed=seed) for m in order]
 
-    def wallclock_cell(self, criterion: str, ratio: float, method: str) -> Cell | None:
+    def wallclock_cell(self, criterion: str, ratio: float, method: str, seed: int = 0) -> Cell | None:
         """The matched-time cell of ``method`` (None for the reference itself, whose epoch
         cell defines the budget); needs the finished epoch cells."""
         if method == self.cfg.reference:
             return None
-        ref = self.cell(criterion, ratio, self.cfg.reference, "epochs").metrics()
-        own = self.cell(criterion, ratio, method, "epochs").metrics()
+        ref = self.cell(criterion, ratio, self.cfg.reference, "epochs", seed=seed).metrics()
+        own = self.cell(criterion, ratio, method, "epochs", seed=seed).metrics()
         budget = ref["train_seconds"] + ref.get("timings_seconds", {}).get("cache", 0.0)
         if METHODS[method].family == "layerwise":  # pays for its own features out of the budget
             features = own.get("timings_seconds", {}).get("cache", 0.0)
             if features < 1.0:  # reused the reference's cache: charge what that cost
                 features = ref.get("timings_seconds", {}).get("cache", 0.0)
             budget -= features
-        return self.cell(criterion, ratio, method, "wallclock", seconds=max(1e-3, budget))
+        return self.cell(criterion, ratio, method, "wallclock", seconds=max(1e-3, budget), seed=seed)
+
+    def duration_cell(self, criterion: str, ratio: float, method: str, budget: str, seed: int = 0) -> Cell:
+        """``method`` with ``budget`` of wall-clock, feature caching included. A layer-wise
+        method on a plan whose features are already cached is charged what they cost to build
+        (the cache is then free to it), so each pays for its features exactly once."""
+        seconds = budget_seconds(budget)
+        built = self.feature_seconds.get((criterion, ratio))
+        if METHODS[method].family == "layerwise" and built is not None:
+            seconds -= built
+        return self.cell(criterion, ratio, method, budget, seconds=max(1e-3, seconds), seed=seed)
+
+    def note_features(self, cell: Cell, m: dict | None) -> None:
+        """Remember what building a plan's feature cache cost (the first cell that built it)."""
+        built = (m or {}).get("timings_seconds", {}).get("cache", 0.0)
+        if METHODS[cell.method].family == "layerwise" and built >= 1.0:
+            self.feature_seconds.setdefault((cell.criterion, cell.ratio), built)
 
     def run_cell(self, cell: Cell) -> dict | None:
         if cell.done:
@@ -251,40 +288,58 @@ class Compare:
         return model
 
     # ---- the grid ------------------------------------------------------------------
+    def plan_cells(self) -> int:
+        cfg = self.cfg
+        per_seed = len(cfg.methods) * len(cfg.budgets)
+        if "wallclock" in cfg.budgets and cfg.reference in cfg.methods:
+            per_seed -= 1  # the reference's epoch cell serves both
+        return len(cfg.criteria) * len(cfg.ratios) * len(cfg.seeds) * per_seed
+
+    def grid_cells(self, criterion: str, ratio: float, seed: int, bar) -> list[dict]:
+        """Every cell of one plan and seed, in order: epochs, matched wall-clock, durations."""
+        cfg, rows, epoch = self.cfg, [], {}
+
+        def run(cell: Cell) -> dict | None:
+            bar.set_postfix_str(cell.label)
+            m = self.run_cell(cell)
+            self.note_features(cell, m)
+            rows.append(self._row(cell, m))
+            bar.update(1)
+            return m
+
+        if "epochs" in cfg.budgets:
+            for cell in self.epoch_cells(criterion, ratio, seed):
+                epoch[cell.method] = run(cell)
+        if "wallclock" in cfg.budgets:
+            for method in cfg.methods:
+                if method == cfg.reference:
+                    continue
+                if epoch.get(cfg.reference) is None or epoch.get(method) is None:
+                    rows.append({"criterion": criterion, "ratio": ratio, "method": method, "seed": seed,
+                                 "budget": "wallclock", "status": "skipped: its epoch cell failed"})
+                    bar.update(1)
+                    continue
+                run(self.wallclock_cell(criterion, ratio, method, seed))
+        for budget in cfg.budgets:
+            if budget_seconds(budget) is not None:
+                for method in cfg.methods:
+                    run(self.duration_cell(criterion, ratio, method, budget, seed))
+        return rows
+
     def run(self) -> dict:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "compare.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-        n_cells = len(cfg.criteria) * len(cfg.ratios) * len(cfg.methods) * len(cfg.budgets)
-        if "wallclock" in cfg.budgets and cfg.reference in cfg.methods:
-            n_cells -= len(cfg.criteria) * len(cfg.ratios)  # the reference's epoch cell serves both
-        bar = tqdm(total=n_cells, desc="compare", unit="cell", disable=not self.progress, dynamic_ncols=True)
+        bar = tqdm(total=self.plan_cells(), desc="compare", unit="cell", disable=not self.progress,
+                   dynamic_ncols=True)
         rows: list[dict] = []
         try:
             for criterion in cfg.criteria:
                 for ratio in cfg.ratios:
-                    epoch = {}
-                    for cell in self.epoch_cells(criterion, ratio):
-                        bar.set_postfix_str(cell.label)
-                        epoch[cell.method] = self.run_cell(cell)
-                        rows.append(self._row(cell, epoch[cell.method]))
-                        bar.update(1)
-                    if "wallclock" not in cfg.budgets:
-                        continue
-                    for method in cfg.methods:
-                        if method == cfg.reference:
-                            continue
-                        if epoch.get(cfg.reference) is None or epoch.get(method) is None:
-                            rows.append({"criterion": criterion, "ratio": ratio, "method": method,
-                                         "budget": "wallclock", "status": "skipped: its epoch cell failed"})
-                            bar.update(1)
-                            continue
-                        cell = self.wallclock_cell(criterion, ratio, method)
-                        bar.set_postfix_str(cell.label)
-                        rows.append(self._row(cell, self.run_cell(cell)))
-                        bar.update(1)
+                    for seed in cfg.seeds:
+                        rows += self.grid_cells(criterion, ratio, seed, bar)
         except KeyboardInterrupt:
             bar.close()
             raise OverRepError(f"interrupted; finished cells are kept in {self.out / 'cells'} -- rerun the same "
@@ -299,7 +354,7 @@ class Compare:
 
     def _row(self, cell: Cell, m: dict | None) -> dict:
         row = {"criterion": cell.criterion, "ratio": cell.ratio, "method": cell.method, "budget": cell.budget,
-               "cell": str(cell.dir)}
+               "seed": cell.seed, "budget_seconds": budget_seconds(cell.budget), "cell": str(cell.dir)}
         if m is None:
             err = cell.dir.parent / f"{cell.dir.name}.error"
             row["status"] = "failed: " + (err.read_text().strip() if err.is_file() else "unknown")

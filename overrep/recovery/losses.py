@@ -167,17 +167,18 @@ def fisher_diagonal(dense: nn.Module, ids: torch.Tensor, groups, batch: int = 8)
     return out
 
 
-def cached_fisher(pipe) -> list[torch.Tensor]:
-    """``fisher_diagonal`` on the first ``recovery.fisher_sequences`` training rows, stored
-    next to the feature cache and keyed like it (model, plan, data, sequence length)."""
-    n = min(pipe.cfg.recovery.fisher_sequences, pipe.train_ids.shape[0])
-    root = pipe.cache_root
-    path = _cache_file(root, "fisher", {**{k: str(v) for k, v in pipe.cache_fingerprint().items()}, "rows": n})
+def cached_fisher(teacher, rows: int) -> list[torch.Tensor]:
+    """``fisher_diagonal`` on the first ``rows`` training rows of a
+    :class:`~overrep.recovery.teacher.Teacher`, stored next to its feature cache and keyed
+    like it (model, plan, data, sequence length)."""
+    n = min(rows, teacher.train_ids.shape[0])
+    path = _cache_file(teacher.cache_root, "fisher",
+                       {**{k: str(v) for k, v in teacher.fingerprint.items()}, "rows": n})
     got = _load(path)
-    if got is not None and len(got) == len(pipe.plan.groups):
+    if got is not None and len(got) == len(teacher.plan.groups):
         log.info("fisher: reusing %s", path)
         return list(got)
-    weights = fisher_diagonal(pipe.dense, pipe.train_ids[:n], pipe.plan.groups)
+    weights = fisher_diagonal(teacher.dense, teacher.train_ids[:n], teacher.plan.groups)
     save_torch(path, weights, "the Fisher cache")
     return weights
 
@@ -197,19 +198,18 @@ def teacher_topk(dense: nn.Module, ids: torch.Tensor, k: int, batch: int = 8) ->
     return torch.cat(vals), torch.cat(idx)
 
 
-def cached_topk(pipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """``teacher_topk`` of every training row, stored next to the feature cache."""
-    k = pipe.cfg.recovery.loss_topk
-    fp = pipe.cache_fingerprint()
-    root = pipe.cache_root
-    path = _cache_file(root, "topk", {"model": fp["model"], "data": str(fp["data"]), "seq_len": fp["seq_len"],
-                                      "dtype": fp["model_dtype"], "k": k, "rows": pipe.train_ids.shape[0],
-                                      "values": "log-probabilities"})
+def cached_topk(teacher, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``teacher_topk`` of every training row of a :class:`~overrep.recovery.teacher.Teacher`,
+    stored next to its feature cache."""
+    fp = teacher.fingerprint
+    path = _cache_file(teacher.cache_root, "topk", {"model": fp["model"], "data": str(fp["data"]),
+                                                    "seq_len": fp["seq_len"], "dtype": fp["model_dtype"], "k": k,
+                                                    "rows": teacher.train_ids.shape[0], "values": "log-probabilities"})
     got = _load(path)
     if got is not None:
         log.info("top-%d logits: reusing %s", k, path)
         return got["values"], got["indices"]
-    values, indices = teacher_topk(pipe.dense, pipe.train_ids, k)
+    values, indices = teacher_topk(teacher.dense, teacher.train_ids, k)
     save_torch(path, {"values": values, "indices": indices}, "the top-k cache")
     return values, indices
 

@@ -66,9 +66,9 @@ def package_version(dist: str) -> str | None:
 
 def default_task_dir() -> Path:
     """Where the offline task folder is written: ``<overrep cache>/lm_eval_tasks``."""
-    from ...model.loading import cache_dir
+    from ...paths import cache_root
 
-    return cache_dir() / "lm_eval_tasks"
+    return cache_root() / "lm_eval_tasks"
 
 
 # --------------------------------------------------------------------------- readers

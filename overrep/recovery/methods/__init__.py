@@ -1,0 +1,88 @@
+"""Recovery methods: OverRep and the baselines it is compared with, behind one interface.
+
+Every method starts from the same pruned model (built by the pipeline from one plan),
+trains with the same :class:`~overrep.recovery.trainer.Trainer` (AdamW, cosine schedule, clipping,
+checkpoints, exact resume) and ends as the same kind of output: a plain, compact Hugging
+Face model. A method only decides *what* trains and *which* objective it minimises.
+
+=============  ===============================================  ======================
+method         what trains                                      objective
+=============  ===============================================  ======================
+overrep        recovery blocks, overcomplete (``recovery.preset``)  layer-wise (``recovery.loss``)
+plain          the same recovery blocks without W, D, annealing     layer-wise (``recovery.loss``)
+streamline     one block replaces the removed run (all weights)     layer-wise (``recovery.loss``)
+lora           PEFT LoRA on every projection of every block          language modelling
+adalora        PEFT AdaLoRA (rank re-allocated every step)           language modelling
+lora-iso       LoRA whose rank matches OverRep's trainable count     language modelling
+full-ft        every retained block, all weights                     language modelling
+logit-kd       every retained block, all weights                     KL to dense logits
+overrep-kd     OverRep's recovery blocks                             KL to dense logits
+=============  ===============================================  ======================
+
+One module per family: :mod:`.layerwise` (overrep, plain, streamline), :mod:`.adapters`
+(lora, adalora, lora-iso), :mod:`.whole_model` (full-ft, logit-kd, overrep-kd); what they
+share is in :mod:`.base`. A method receives a :class:`~overrep.recovery.teacher.RecoveryInputs`
+(models, plan, data, its config section, the teacher) and nothing else.
+
+Streamline (Chen et al., 2024) replaces the pruned run with one trained layer; here that
+layer is the retained block just before the run, trained on the run's input -> output
+mapping, so its compact model has exactly the size of every other method's (the
+original inserts an extra layer).
+"""
+
+from __future__ import annotations
+
+from ...registry import Registry
+from ..teacher import RecoveryInputs
+from .adapters import AdapterRun, iso_rank, lora_params_per_rank, projection_names
+from .base import Method, MethodRun
+from .layerwise import LayerwiseRun
+from .whole_model import FullRun, OvercompleteKDRun
+
+#: Every recovery method: registering a Method here is the one edit that makes it known
+#: (``recovery.method`` validation, ``overrep methods``, ``overrep compare``).
+METHODS: Registry[Method] = Registry("recovery method")
+for _m in [
+    Method("overrep", "OverRep: overcomplete recovery blocks, layer-wise loss (recovery.loss), folded back exactly",
+           "layerwise", "mse", 1e-3),
+    Method("plain", "the same recovery blocks and layer-wise loss without W, D or annealing", "layerwise", "mse",
+           1e-3, preset="plain"),
+    Method("streamline", "Streamline: one block (all weights) trained to replace the removed run",
+           "layerwise", "mse", 1e-3, preset="plain-full", blocks=1),
+    Method("lora", "PEFT LoRA on all projections, language-model loss, merged", "adapter", "lm", 1e-3),
+    Method("adalora", "PEFT AdaLoRA, rank re-allocated every step, language-model loss, merged",
+           "adapter", "lm", 1e-3),
+    Method("lora-iso", "LoRA with the rank that matches OverRep's trainable parameters", "adapter", "lm", 1e-3),
+    Method("full-ft", "full fine-tuning of every retained block, language-model loss", "full", "lm", 1e-4),
+    Method("logit-kd", "every retained block trained on forward KL to the dense model's logits (tau=1)",
+           "full", "kd", 1e-4),
+    Method("overrep-kd", "OverRep's parameterisation trained with the logit-KD objective",
+           "overcomplete-kd", "kd", 1e-3),
+]:
+    METHODS.register(_m)
+
+
+def get_method(name: str) -> Method:
+    return METHODS[name]
+
+
+
+
+def get_method(name: str) -> Method:
+    return METHODS[name]
+
+
+#: The class that sets up each family of methods.
+FAMILIES = {"layerwise": LayerwiseRun, "adapter": AdapterRun, "full": FullRun, "overcomplete-kd": OvercompleteKDRun}
+
+
+def build_recovery(inputs: RecoveryInputs, method: Method, *, with_data: bool = True) -> MethodRun:
+    """``method`` set up on ``inputs`` (``with_data=False``: a layer-wise method without its
+    feature cache, for re-exporting from checkpoints)."""
+    if method.family == "layerwise":
+        return LayerwiseRun(inputs, method, with_data=with_data)
+    return FAMILIES[method.family](inputs, method)
+
+
+__all__ = ["METHODS", "FAMILIES", "Method", "MethodRun", "RecoveryInputs", "get_method", "build_recovery",
+           "iso_rank", "lora_params_per_rank", "projection_names"]

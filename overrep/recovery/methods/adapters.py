@@ -1,0 +1,127 @@
+"""LoRA, AdaLoRA and iso-parameter LoRA through PEFT, trained on the language-model loss
+and merged into the weights at the end.
+
+LoRA defaults follow the paper's Table ``tab:post-train-config`` (r=16, alpha=32); AdaLoRA
+starts at rank 2r and is steered to an average of r (twice LoRA's trainable parameters at
+the start, as in the paper's Table ``tab:runtime``), with ``update_and_allocate`` called
+after every optimiser step; ``lora-iso`` picks the rank whose trainable count matches
+OverRep's on the same plan.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...errors import OverRepError
+from ...model.accounting import recovery_account
+from ...model.arch import block_parts, decoder_layers
+from ..objectives import LanguageModeling
+from ..teacher import RecoveryInputs
+from .base import Method, MethodRun, check_fold, logits_of
+
+
+def projection_names(model: nn.Module) -> list[str]:
+    """Fully qualified names of every dense projection (q..down) in every block."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for i, layer in enumerate(decoder_layers(model)):
+        for parent, attr in block_parts(layer, i).projections.values():
+            out.append(names[id(getattr(parent, attr))])
+    if not out:
+        raise OverRepError("no dense projections found to attach adapters to (fused-expert MoE blocks are not "
+                           "supported by the PEFT baselines)")
+    return out
+
+
+def lora_params_per_rank(model: nn.Module) -> int:
+    """Trainable parameters one unit of LoRA rank adds across all projections."""
+    total = 0
+    for name in projection_names(model):
+        m = model.get_submodule(name)
+        total += m.in_features + m.out_features
+    return total
+
+
+def iso_rank(model: nn.Module, target_params: int) -> int:
+    return max(1, int(round(target_params / lora_params_per_rank(model))))
+
+
+class AdaLoraLanguageModeling(LanguageModeling):
+    """Language modelling plus AdaLoRA's rank allocation after every optimiser step.
+
+    The allocator's importance statistics and the current rank pattern are training
+    state, so a resumed run allocates exactly as an unbroken one.
+    """
+
+    def after_optimizer_step(self, step: int) -> None:
+        self.model.base_model.update_and_allocate(step)
+
+    def extra_state(self) -> dict:
+        alloc = self.model.base_model.rankallocator
+        return {"ipt": alloc.ipt, "exp_avg_ipt": alloc.exp_avg_ipt, "exp_avg_unc": alloc.exp_avg_unc,
+                "rank_pattern": self.model.peft_config["default"].rank_pattern}
+
+    def load_extra_state(self, state: dict) -> None:
+        if state:
+            alloc = self.model.base_model.rankallocator
+            alloc.ipt, alloc.exp_avg_ipt, alloc.exp_avg_unc = state["ipt"], state["exp_avg_ipt"], state["exp_avg_unc"]
+            self.model.peft_config["default"].rank_pattern = state["rank_pattern"]
+
+
+class AdapterRun(MethodRun):
+    """A PEFT adapter on every projection of every retained block, merged at the end."""
+
+    def __init__(self, inputs: RecoveryInputs, method: Method):
+        super().__init__(inputs, method)
+        from peft import AdaLoraConfig, LoraConfig, get_peft_model
+
+        r = inputs.config
+        model = inputs.pruned
+        targets = projection_names(model)
+        rank, alpha = r.lora_rank, r.lora_alpha
+        if method.name == "lora-iso":
+            target = recovery_account(inputs.dense.config, inputs.plan.removed, r.preset, blocks=r.blocks,
+                                      block1_init=r.block1_init)["trainable_params"]
+            rank = iso_rank(model, target)
+            alpha = rank * r.lora_alpha / r.lora_rank  # keep LoRA's scaling alpha / r
+            self.iso_target = target
+        if method.name == "adalora":
+            total = inputs.total_steps
+            tinit, tfinal = int(0.1 * total), int(0.3 * total)
+            if tinit >= total - tfinal:
+                raise OverRepError(f"AdaLoRA needs more optimiser steps to allocate ranks (got {total})")
+            config = AdaLoraConfig(init_r=2 * rank, target_r=rank, lora_alpha=alpha, lora_dropout=r.lora_dropout,
+                                   target_modules=targets, tinit=tinit, tfinal=tfinal, deltaT=1,
+                                   total_step=total, task_type="CAUSAL_LM")
+        else:
+            config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=r.lora_dropout, target_modules=targets,
+                                task_type="CAUSAL_LM")
+        self.rank, self.alpha = rank, alpha
+        self.peft_model = get_peft_model(model, config)
+        # adapters start at (or near) zero: no weight decay
+        objective = AdaLoraLanguageModeling if method.name == "adalora" else LanguageModeling
+        self.objective = objective(self.peft_model, inputs.train_ids, inputs.heldout_ids[:8], decayed=set())
+
+    def ranks(self) -> dict[str, int]:
+        """Current rank of every adapted projection (AdaLoRA: after allocation)."""
+        pattern = getattr(self.peft_model.peft_config["default"], "rank_pattern", None)
+        if self.method.name == "adalora" and pattern:
+            return {k: int(sum(v)) for k, v in pattern.items()}
+        return {}
+
+    def finish(self) -> dict:
+        probe = self.inputs.heldout_ids[:2]
+        before = logits_of(self.peft_model, probe)
+        ranks = self.ranks()
+        self.model = self.peft_model.merge_and_unload()
+        out = check_fold(before, logits_of(self.model, probe), "adapter merge", self.model.dtype)
+        if ranks:
+            out["adalora_ranks"] = {"min": min(ranks.values()), "max": max(ranks.values()),
+                                    "mean": sum(ranks.values()) / len(ranks)}
+        return out
+
+    def describe(self) -> dict:
+        d = {**super().describe(), "lora_rank": self.rank, "lora_alpha": self.alpha}
+        if hasattr(self, "iso_target"):
+            d["iso_target_params"] = self.iso_target
+        return d

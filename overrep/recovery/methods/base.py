@@ -1,0 +1,80 @@
+"""What every recovery method shares: its registry entry (:class:`Method`), the object it
+becomes on one pruned model (:class:`MethodRun`), and the merge check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...errors import OverRepError
+from ..objectives import Objective
+from ..teacher import RecoveryInputs
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    description: str
+    family: str  # "layerwise" (cached features) | "adapter" (PEFT) | "full" (whole blocks) | "overcomplete-kd"
+    objective: str  # "mse" | "lm" | "kd"
+    default_lr: float
+    preset: str | None = None  # forced preset (None: recovery.preset)
+    blocks: int | None = None  # forced recovery blocks per run (None: recovery.blocks)
+
+
+@torch.no_grad()
+def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    was = model.training
+    model.eval()
+    out = model(input_ids=ids.to(next(model.parameters()).device), use_cache=False).logits.float()
+    model.train(was)
+    return out
+
+
+def check_fold(before: torch.Tensor, after: torch.Tensor, what: str, dtype: torch.dtype) -> dict:
+    """The merge guarantee: the folded model computes what training optimised.
+
+    ``before`` is the trained function's output (at the alpha of the last training step),
+    ``after`` the merged model's. Tolerance: 1e-5 relative to the output scale, or a few
+    rounding steps of a low-precision ``dtype``.
+    """
+    diff = (after.double() - before.double()).abs().max().item()
+    scale = before.abs().max().item()
+    tol = max(1e-5, 16 * torch.finfo(dtype).eps) * max(scale, 1e-6)
+    if not diff <= tol:
+        raise OverRepError(f"{what} check failed: the merged model differs from the trained one by {diff:.3g} "
+                           f"(output scale {scale:.3g}, tolerance {tol:.3g})")
+    return {"merge_max_abs_diff": diff, "merge_max_rel_diff": diff / scale if scale else 0.0}
+
+
+def at_last_trained_step(activations) -> None:
+    """Put every annealed activation back at the alpha the last training step used: the
+    function the merge must reproduce (the schedule ends every run with alpha = 0)."""
+    for a in activations:
+        if a.schedule is not None:
+            a.set_step(a.schedule.total_steps - 1)
+
+
+
+class MethodRun:
+    """A method set up on one pruned model: an objective to train, then :meth:`finish`."""
+
+    objective: Objective
+
+    def __init__(self, inputs: RecoveryInputs, method: Method):
+        self.inputs, self.method = inputs, method
+        self.model = inputs.pruned  # the compact model :meth:`finish` leaves behind
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(p.numel() for p in self.objective.parameters())
+
+    def finish(self) -> dict:
+        """Fold whatever training added back into :attr:`model` (a compact HF model); the
+        merge check's numbers."""
+        return {}
+
+    def describe(self) -> dict:
+        return {"method": self.method.name, "objective": self.method.objective, "family": self.method.family}

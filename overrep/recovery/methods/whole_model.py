@@ -1,0 +1,52 @@
+"""Methods trained end to end through the whole pruned model: full fine-tuning and logit
+distillation of every retained block, and OverRep's parameterisation on the logit-KD
+objective (``overrep-kd``)."""
+
+from __future__ import annotations
+
+from ...model.arch import decoder_layers
+from ...model.presets import get_preset
+from ...model.wrap import apply_preset, merge_recovery
+from ..objectives import LanguageModeling, LogitDistillation, pretrained_matrix_ids, unique_trainable
+from ..teacher import RecoveryInputs
+from .base import Method, MethodRun, at_last_trained_step, check_fold, logits_of
+
+
+class OvercompleteKDRun(MethodRun):
+    """OverRep's recovery blocks trained end to end on the logit-KD objective."""
+
+    def __init__(self, inputs: RecoveryInputs, method: Method):
+        super().__init__(inputs, method)
+        self.preset = get_preset(method.preset or inputs.config.preset)
+        self.modules = apply_preset(inputs.pruned, inputs.plan, self.preset)
+        params = unique_trainable(self.modules)
+        self.objective = LogitDistillation(inputs.pruned, inputs.dense, inputs.train_ids, inputs.heldout_ids[:8],
+                                           params=params, activations=[m.activation for m in self.modules],
+                                           decayed=set().union(*(pretrained_matrix_ids(m) for m in self.modules)),
+                                           tau=inputs.config.kd_tau)
+
+    def finish(self) -> dict:
+        at_last_trained_step(self.objective.activations)
+        probe = self.inputs.heldout_ids[:2]
+        before = logits_of(self.model, probe)
+        merged = merge_recovery(self.model)
+        return {"merged_wrappers": merged, **check_fold(before, logits_of(self.model, probe), "merge", self.model.dtype)}
+
+    def describe(self) -> dict:
+        return {**super().describe(), "preset": self.preset.to_dict()}
+
+
+class FullRun(MethodRun):
+    """Every retained block trainable (embeddings, head and final norm frozen)."""
+
+    def __init__(self, inputs: RecoveryInputs, method: Method):
+        super().__init__(inputs, method)
+        model = inputs.pruned
+        model.requires_grad_(False)
+        for layer in decoder_layers(model):
+            layer.requires_grad_(True)
+        if method.objective == "lm":
+            self.objective = LanguageModeling(model, inputs.train_ids, inputs.heldout_ids[:8])
+        else:
+            self.objective = LogitDistillation(model, inputs.dense, inputs.train_ids, inputs.heldout_ids[:8],
+                                               tau=inputs.config.kd_tau)

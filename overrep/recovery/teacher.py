@@ -1,0 +1,102 @@
+"""The dense model's side of layer-wise recovery, and what a recovery method receives.
+
+:class:`Teacher` gives the features a layer-wise method trains on (per recovery group,
+the hidden state entering it and the one it must reproduce), cached on disk
+(``cache.mode: disk``) or recomputed every step (``live``), and is where the losses'
+dense-model constants (diagonal Fisher, top-K log-probabilities) are cached next to
+them. :class:`RecoveryInputs` is everything a method gets: the pruned and the dense
+model, the plan, the data, its config section and the teacher, and nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..data.cache import build_or_open
+from ..model.hooks import teacher_features
+from ..model.runtime import digest
+from ..model.surgery import PrunePlan
+
+FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TEACHER_BATCH = 8  # rows per dense forward when computing features
+
+#: A batch source: row indices -> per recovery group ``{"inputs", "targets"}``.
+FeatureSource = Callable[[list[int]], list[dict]]
+
+
+@dataclass
+class Teacher:
+    """Dense-model features of the training rows for every recovery group of a plan.
+
+    ``fingerprint`` keys the disk cache (model, plan, data, sequence length, dtype);
+    ``seconds`` accumulates the time spent building or opening it."""
+
+    dense: nn.Module
+    plan: PrunePlan
+    train_ids: torch.Tensor
+    cache_root: Path
+    fingerprint: dict
+    mode: str = "disk"  # "disk" | "live"
+    dtype: str = "float32"  # stored feature dtype
+    rebuild: str = "auto"
+    progress: bool = True
+    seconds: float = 0.0
+    cache: Any = field(default=None, repr=False)
+
+    def batch(self, ids: torch.Tensor) -> list[dict]:
+        """Features of ``ids`` for every recovery group, ``TEACHER_BATCH`` rows at a time."""
+        groups = self.plan.groups
+        parts = [teacher_features(self.dense, ids[i:i + TEACHER_BATCH], groups)
+                 for i in range(0, ids.shape[0], TEACHER_BATCH)]
+        return [{k: torch.cat([p[g][k] for p in parts]) for k in ("inputs", "targets")} for g in range(len(groups))]
+
+    @property
+    def cache_path(self) -> Path:
+        return self.cache_root / "features" / digest(self.fingerprint)
+
+    def features(self) -> FeatureSource:
+        """The training batch source: the disk cache (built on first use) or the live teacher."""
+        groups = self.plan.groups
+        if self.mode == "live":
+            return lambda idx: teacher_features(self.dense, self.train_ids[idx], groups)
+        names = tuple(f"{k}_{g}" for g in range(len(groups)) for k in ("inputs", "targets"))
+
+        def produce(rows: range) -> dict:
+            feats = self.batch(self.train_ids[rows.start:rows.stop])
+            return {f"{k}_{g}": f[k].cpu() for g, f in enumerate(feats) for k in ("inputs", "targets")}
+
+        t0 = time.perf_counter()
+        self.cache = build_or_open(self.cache_path, fingerprint=self.fingerprint, num_samples=self.train_ids.shape[0],
+                                   seq_len=self.train_ids.shape[1], hidden_size=self.dense.config.hidden_size,
+                                   dtype=FEATURE_DTYPES[self.dtype], produce=produce, tensors=names,
+                                   rebuild=self.rebuild, progress=self.progress)
+        self.seconds += time.perf_counter() - t0
+
+        def source(idx: list[int]) -> list[dict]:
+            got = self.cache.get(idx)
+            return [{"inputs": got[f"inputs_{g}"], "targets": got[f"targets_{g}"]} for g in range(len(groups))]
+        return source
+
+
+@dataclass
+class RecoveryInputs:
+    """What a recovery method is built from.
+
+    ``config`` is the run's ``recovery`` section (learning rate resolved); ``total_steps``
+    the step count the schedules span; ``teacher`` the dense side (features, loss
+    constants)."""
+
+    pruned: nn.Module
+    dense: nn.Module
+    plan: PrunePlan
+    config: Any
+    train_ids: torch.Tensor
+    heldout_ids: torch.Tensor
+    total_steps: int
+    teacher: Teacher
