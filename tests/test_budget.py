@@ -61,3 +61,69 @@ def test_budgeted_run_fixes_its_steps_and_completes_its_schedules(assets, tmp_pa
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == tb["steps"] and log[-1]["alpha"] == 0.0  # the schedule ran to its end
     assert m["merge_max_rel_diff"] <= 1e-5
+
+
+def test_fit_steps_counts_the_features_of_the_rows_it_will_train_on():
+    costs = StepCosts(step=1.0, validation=0.0, checkpoint=0.0, row=0.5, rows_per_step=4, max_rows=24)
+    assert costs.rows(3) == 12 and costs.rows(100) == 24  # never more rows than the data has
+    assert costs.run_seconds(3, 10, 10) == 3 * 1.0 + 12 * 0.5
+    assert fit_steps(9.0, costs, 10, 10) == 3  # 3 steps on 12 new rows: 9 s
+    assert fit_steps(100.0, costs, 10, 10) == 88  # all 24 rows cached (12 s), then 88 steps
+
+
+def test_a_short_budget_caches_only_the_rows_it_trains_on(assets, tmp_path, monkeypatch):
+    """Layer-wise method, disk cache: the probe fixes steps and rows together, and the cache
+    holds exactly ``steps x batch`` rows (each seen once) when that is less than the data."""
+    from overrep.recovery.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(5.0, 0.0, 0.0))  # a slow step
+    out = tmp_path / "short"
+    cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                   recovery__time_budget="20s")
+    m = Pipeline(cfg, progress=False).run()
+    tb = m["time_budget"]
+    assert 1 <= tb["steps"] <= 3 and tb["rows"] == 4 * tb["steps"] < 24
+    assert tb["measured_feature_seconds_per_row"] > 0
+    manifest = json.loads((tmp_path / m["cache"]["path"] / "manifest.json").read_text())
+    assert manifest["layout"]["num_samples"] == tb["rows"]
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == tb["steps"] == m["train_steps"] and log[-1]["alpha"] == 0.0
+    assert m["merge_max_rel_diff"] <= 1e-5
+
+
+def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, monkeypatch):
+    """Killed after its second step, the budgeted run resumes with the step count and the
+    rows from its checkpoint (no new measurement) and ends where an unbroken run ends."""
+    import torch
+    from safetensors.torch import load_file
+
+    from overrep.recovery.trainer import Trainer
+
+    import overrep.app.pipeline as pipeline
+
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(4.0, 0.0, 0.0))
+    monkeypatch.setattr(pipeline, "fit_steps", lambda *a, **k: 4)  # the same plan, however fast this machine is
+    kw = dict(eval__perplexity=False, eval__latency=False, recovery__steps=None, recovery__time_budget="20s",
+              recovery__checkpoint_every=1)
+    ref = Pipeline(tiny_cfg(assets, tmp_path / "ref", **kw), progress=False).run()
+    steps, rows = ref["time_budget"]["steps"], ref["time_budget"]["rows"]
+    assert (steps, rows) == (4, 16)
+    original = Trainer.batch_indices
+
+    def dies_at_step_2(self, step):
+        if step == 2:
+            raise RuntimeError("simulated kill")
+        return original(self, step)
+
+    monkeypatch.setattr(Trainer, "batch_indices", dies_at_step_2)
+    cfg = tiny_cfg(assets, tmp_path / "killed", **kw)
+    with pytest.raises(RuntimeError):
+        Pipeline(cfg, progress=False).run()
+    monkeypatch.setattr(Trainer, "batch_indices", original)
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: pytest.fail("measured again on resume"))
+    m = Pipeline(cfg, resume=True, progress=False).run()
+    assert (m["time_budget"]["steps"], m["time_budget"]["rows"]) == (steps, rows) == (m["train_steps"], rows)
+    a = load_file(tmp_path / "ref" / "model" / "model.safetensors")
+    b = load_file(tmp_path / "killed" / "model" / "model.safetensors")
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k

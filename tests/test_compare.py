@@ -43,6 +43,7 @@ def test_grid_runs_caches_and_extends(assets, tmp_path, capsys):
     # matched wall-clock: the reference's features + training time is lora's time budget; the
     # cell measures its own steps and fixes its step count to fit (recovery.time_budget)
     budget = ref["train_seconds"] + ref["feature_seconds"]
+    assert not list((out / "cache" / "cells").glob("*/features/*"))  # a wall-clock cell's own cache is dropped
     (cell,) = [d for d in (out / "cells").glob("*-lora-wallclock-*") if d.is_dir()]
     m = json.loads((cell / "metrics.json").read_text())
     assert m["time_budget"]["seconds"] == pytest.approx(budget, abs=1e-3)
@@ -118,20 +119,18 @@ def test_wallclock_implies_the_epoch_cells(assets, tmp_path):
     assert len({c.dir for c in cells}) == 2
 
 
-def test_duration_budgets_charge_layerwise_features_once(assets, tmp_path):
+def test_duration_cells_get_the_whole_budget_and_a_cache_of_their_own(assets, tmp_path):
     cfg = CompareConfig.load(grid_file(assets, tmp_path, methods=["overrep", "plain", "lora"],
                                        budgets=["2.5m", 600], seeds=[0, 1]))
     assert cfg.budgets == ["2.5m", "600s"]
     grid = Compare(cfg)
     assert grid.plan_cells() == 2 * 3 * 2
-    # no features built yet: the first layer-wise cell pays for them inside its own budget
-    assert grid.duration_cell("last", 0.3, "overrep", "2.5m").config["recovery"]["time_budget"] == "150.000s"
-    grid.feature_seconds[("last", 0.3)] = 40.0  # what building them cost
-    plain = grid.duration_cell("last", 0.3, "plain", "2.5m", seed=1)
-    lora = grid.duration_cell("last", 0.3, "lora", "2.5m", seed=1)
-    assert plain.config["recovery"]["time_budget"] == "110.000s"  # charged, the cache now being warm
-    assert lora.config["recovery"]["time_budget"] == "150.000s"  # runs its teacher-free training live
-    assert plain.config["recovery"]["seed"] == lora.seed == 1 and "seed 1" in plain.label
+    cells = [grid.duration_cell("last", 0.3, m, "2.5m", seed=1) for m in ("overrep", "plain", "lora")]
+    assert {c.config["recovery"]["time_budget"] for c in cells} == {"150.000s"}
+    caches = {c.config["cache"]["dir"] for c in cells}
+    assert len(caches) == 3 and all("/cache/cells/" in d for d in caches)  # each pays for its own features
+    plain = cells[1]
+    assert plain.config["recovery"]["seed"] == plain.seed == 1 and "seed 1" in plain.label
     assert plain.dir != grid.duration_cell("last", 0.3, "plain", "2.5m", seed=0).dir
 
 

@@ -21,13 +21,14 @@ Budgets:
 * ``wallclock`` -- every method gets the time the reference method (OverRep) needed in
   its ``epochs`` cell, feature caching included, as ``recovery.time_budget``: the cell
   measures its own step time and fixes its step count to fit (so ``wallclock`` also runs
-  ``epochs``). Layer-wise methods pay for their feature cache out of the same budget (its
-  cost is charged even when the grid's shared cache makes it free); methods on the whole
-  model run the dense teacher (or nothing) live instead.
+  ``epochs``).
 * a duration (``2.5m``, ``10m``, ``600s``, ``1h``) -- every method gets that much wall-clock,
-  feature caching included, as ``recovery.time_budget``: quality per unit of compute. A
-  layer-wise cell on a plan whose features an earlier cell of the grid built is charged
-  what building them cost, so every layer-wise method pays for its features once.
+  feature caching included, as ``recovery.time_budget``: quality per unit of compute.
+
+A wall-clock cell (both kinds) builds its features in a cache of its own, out of its own
+budget (a layer-wise method caches only the rows its budget lets it train on, see
+:mod:`overrep.recovery.budget`); methods on the whole model run the dense teacher (or
+nothing) live instead.
 
 Each cell is a normal ``overrep run`` in its own folder under ``cells/`` (named by its
 configuration's hash), run as a subprocess so its peak memory is its own. A finished cell
@@ -47,6 +48,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -182,14 +184,16 @@ class Compare:
         base["eval"].update(latency=False, benchmarks=None, perplexity=True)
         base["prune"]["remove"] = None
         self.base = base
-        self.feature_seconds: dict[tuple[str, float], float] = {}  # (criterion, ratio) -> cache build seconds
 
     # ---- cells ---------------------------------------------------------------------
     def cell(self, criterion: str, ratio: float, method: str, budget: str, seconds: float | None = None,
              seed: int = 0) -> Cell:
         extra = {"prune": {"ratio": ratio, "criterion": criterion}, "recovery": {"method": method, "seed": seed}}
-        if seconds is not None:  # a wall-clock cell: the run fixes its own step count
+        if seconds is not None:  # a wall-clock cell: the run fixes its own step count and pays for
+            # its own features, in a cache of its own (deleted when the cell is done)
             extra["recovery"].update(steps=None, time_budget=f"{seconds:.3f}s")
+            extra["cache"] = {"dir": str(self.out / "cache" / "cells" / f"{criterion}-{ratio:g}-{method}-{budget}-"
+                                                                          f"seed{seed}")}
         else:  # a matched-epoch cell: the step count comes from the data, never from the clock
             extra["recovery"]["time_budget"] = None
         config = _deep_update(self.base, extra)
@@ -209,30 +213,12 @@ class Compare:
         if method == self.cfg.reference:
             return None
         ref = self.cell(criterion, ratio, self.cfg.reference, "epochs", seed=seed).metrics()
-        own = self.cell(criterion, ratio, method, "epochs", seed=seed).metrics()
         budget = ref["train_seconds"] + ref.get("timings_seconds", {}).get("cache", 0.0)
-        if METHODS[method].family == "layerwise":  # pays for its own features out of the budget
-            features = own.get("timings_seconds", {}).get("cache", 0.0)
-            if features < 1.0:  # reused the reference's cache: charge what that cost
-                features = ref.get("timings_seconds", {}).get("cache", 0.0)
-            budget -= features
-        return self.cell(criterion, ratio, method, "wallclock", seconds=max(1e-3, budget), seed=seed)
+        return self.cell(criterion, ratio, method, "wallclock", seconds=budget, seed=seed)
 
     def duration_cell(self, criterion: str, ratio: float, method: str, budget: str, seed: int = 0) -> Cell:
-        """``method`` with ``budget`` of wall-clock, feature caching included. A layer-wise
-        method on a plan whose features are already cached is charged what they cost to build
-        (the cache is then free to it), so each pays for its features exactly once."""
-        seconds = budget_seconds(budget)
-        built = self.feature_seconds.get((criterion, ratio))
-        if METHODS[method].family == "layerwise" and built is not None:
-            seconds -= built
-        return self.cell(criterion, ratio, method, budget, seconds=max(1e-3, seconds), seed=seed)
-
-    def note_features(self, cell: Cell, m: dict | None) -> None:
-        """Remember what building a plan's feature cache cost (the first cell that built it)."""
-        built = (m or {}).get("timings_seconds", {}).get("cache", 0.0)
-        if METHODS[cell.method].family == "layerwise" and built >= 1.0:
-            self.feature_seconds.setdefault((cell.criterion, cell.ratio), built)
+        """``method`` with ``budget`` of wall-clock, feature caching included."""
+        return self.cell(criterion, ratio, method, budget, seconds=budget_seconds(budget), seed=seed)
 
     def run_cell(self, cell: Cell) -> dict | None:
         if cell.done:
@@ -251,6 +237,9 @@ class Compare:
             proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT)
         if proc.returncode == 130 or proc.returncode < 0:
             raise KeyboardInterrupt
+        own = Path(cell.config["cache"]["dir"] or "")
+        if cell.done and own.is_relative_to(self.out / "cache" / "cells"):
+            shutil.rmtree(own / "features", ignore_errors=True)  # a wall-clock cell's own features
         if proc.returncode != 0 or not cell.done:
             lines = [ln for ln in log_path.read_text().splitlines() if ln.startswith("overrep: error:")]
             message = lines[-1] if lines else f"exit status {proc.returncode} (see {log_path})"
@@ -302,7 +291,6 @@ class Compare:
         def run(cell: Cell) -> dict | None:
             bar.set_postfix_str(cell.label)
             m = self.run_cell(cell)
-            self.note_features(cell, m)
             rows.append(self._row(cell, m))
             bar.update(1)
             return m

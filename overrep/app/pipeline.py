@@ -41,7 +41,7 @@ from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION
 from ..recovery.budget import fit_steps, parse_duration
 from ..recovery.methods import build_recovery, get_method
-from ..recovery.teacher import RecoveryInputs, Teacher
+from ..recovery.teacher import PROBE_ROWS, RecoveryInputs, Teacher
 from ..recovery.trainer import Trainer
 from ..paths import cache_root
 from .config import RunConfig
@@ -217,6 +217,8 @@ class Pipeline:
         cache, for re-exporting from checkpoints)."""
         t0 = time.perf_counter()
         self.recovery_started = getattr(self, "recovery_started", t0)  # a time budget counts from here
+        if with_data and self.budget_sizes_cache() and "time_budget" not in self.metrics:
+            self.fit_cached_budget()
         cached = self.teacher.seconds
         inputs = RecoveryInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,
                                 self.total_steps, self.teacher)
@@ -228,6 +230,49 @@ class Pipeline:
         self.metrics["trainable_params"] = self.recovery.trainable_params
         self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
         self.metrics["lr"] = self.rcfg.lr
+
+    def budget_sizes_cache(self) -> bool:
+        """A layer-wise method on the disk cache under a time budget: the budget decides how
+        many training rows get features (see :mod:`overrep.recovery.budget`)."""
+        r = self.cfg.recovery
+        return (self.method.family == "layerwise" and self.cfg.cache.mode == "disk"
+                and r.time_budget is not None and r.steps is None)
+
+    def fit_cached_budget(self) -> None:
+        """Fix the step count and the rows to cache from a probe: the teacher timed on a few
+        rows, a few real steps on their features; then a fresh pruned model."""
+        r = self.cfg.recovery
+        budget = parse_duration(r.time_budget)
+        per_step = r.batch_size * r.grad_accum
+        total = self.checkpointed_total() if self.resume else None
+        info = {"seconds": budget}
+        if total is None:
+            self.teacher.mode = "probe"
+            try:
+                inputs = RecoveryInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,
+                                        self.heldout_ids, self.total_steps, self.teacher)
+                t0 = time.perf_counter()
+                self.recovery = build_recovery(inputs, self.method)
+                rebuild = time.perf_counter() - t0 - PROBE_ROWS * self.teacher.row_seconds  # paid again below
+                costs = self.make_trainer().measure()
+            finally:
+                self.teacher.mode = self.cfg.cache.mode
+            costs = dataclasses.replace(costs, row=self.teacher.row_seconds, rows_per_step=per_step,
+                                        max_rows=self.train_ids.shape[0])
+            left = budget - (time.perf_counter() - self.recovery_started) - max(0.0, rebuild)
+            total = fit_steps(0.97 * left, costs, r.eval_every, r.checkpoint_every)  # 3% for what is not measured
+            info.update(measured_seconds_per_step=costs.step, measured_validation_seconds=costs.validation,
+                        measured_checkpoint_seconds=costs.checkpoint, measured_feature_seconds_per_row=costs.row)
+            log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps on "
+                     "%d rows", budget, costs.step, costs.row, left, total, costs.rows(total))
+        rows = min(self.train_ids.shape[0], total * per_step)
+        self.train_ids = self.train_ids[:rows]
+        self.teacher.use_rows(rows)
+        self.total_steps = info["steps"] = total
+        info["rows"] = rows
+        self.metrics["time_budget"] = info
+        torch.manual_seed(r.seed)  # the measured steps leave no trace: fresh model, fresh recovery
+        self.prune()
 
     @property
     def cache_root(self) -> Path:
@@ -299,7 +344,8 @@ class Pipeline:
         self.metrics["time_budget"] = info
 
     def train(self) -> None:
-        if self.cfg.recovery.time_budget is not None and self.cfg.recovery.steps is None:
+        r = self.cfg.recovery
+        if r.time_budget is not None and r.steps is None and "time_budget" not in self.metrics:
             self.fit_time_budget()
         result = self.make_trainer().run()
         if "time_budget" in self.metrics:

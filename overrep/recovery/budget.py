@@ -11,6 +11,14 @@ merge is exact). A budgeted run therefore
 4. fixes the step count with :func:`fit_steps` from what is left of the budget.
 
 A resumed run takes the step count from its checkpoint instead of measuring again.
+
+Layer-wise methods on the disk feature cache do it the other way round, so that a short
+budget does not pay for features it will never train on: they time the teacher on a few
+rows and a few steps on those rows' features (``cache.mode: probe``), then fix the step
+count *and* the number of training rows to cache together (``StepCosts.row``: building
+one row's features; a run needs ``steps x batch`` rows, at most the data it has), and only
+then build the cache. Short budgets cache fewer rows and see each once; long ones cache
+all the data and go over it several times.
 """
 
 from __future__ import annotations
@@ -40,15 +48,24 @@ def parse_duration(text: str | float | int, where: str = "recovery.time_budget")
 
 @dataclass
 class StepCosts:
-    """Measured seconds: one optimiser step, one validation, one checkpoint."""
+    """Measured seconds: one optimiser step, one validation, one checkpoint; optionally the
+    features of one new training row (``row``, for ``rows_per_step`` rows a step, at most
+    ``max_rows`` in all)."""
 
     step: float
     validation: float
     checkpoint: float
+    row: float = 0.0
+    rows_per_step: int = 0
+    max_rows: int = 0
+
+    def rows(self, steps: int) -> int:
+        """Training rows ``steps`` steps need features for."""
+        return min(self.max_rows, steps * self.rows_per_step)
 
     def run_seconds(self, steps: int, eval_every: int, checkpoint_every: int) -> float:
         return (steps * self.step + math.ceil(steps / eval_every) * self.validation
-                + math.ceil(steps / checkpoint_every) * self.checkpoint)
+                + math.ceil(steps / checkpoint_every) * self.checkpoint + self.rows(steps) * self.row)
 
 
 def fit_steps(seconds_left: float, costs: StepCosts, eval_every: int, checkpoint_every: int) -> int:

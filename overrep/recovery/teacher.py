@@ -25,6 +25,7 @@ from ..model.surgery import PrunePlan
 
 FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TEACHER_BATCH = 8  # rows per dense forward when computing features
+PROBE_ROWS = 2 * TEACHER_BATCH  # training rows a probe (mode "probe") computes features for
 
 #: A batch source: row indices -> per recovery group ``{"inputs", "targets"}``.
 FeatureSource = Callable[[list[int]], list[dict]]
@@ -42,12 +43,20 @@ class Teacher:
     train_ids: torch.Tensor
     cache_root: Path
     fingerprint: dict
-    mode: str = "disk"  # "disk" | "live"
+    mode: str = "disk"  # "disk" | "live" | "probe" (features of the first rows only, cycled: for timing steps)
     dtype: str = "float32"  # stored feature dtype
     rebuild: str = "auto"
     progress: bool = True
     seconds: float = 0.0
+    row_seconds: float | None = None  # measured by a probe: teacher seconds per training row
     cache: Any = field(default=None, repr=False)
+
+    def use_rows(self, n: int) -> None:
+        """Train on the first ``n`` rows only (a time budget that needs no more); they get a
+        cache of their own."""
+        if n < self.train_ids.shape[0]:
+            self.train_ids = self.train_ids[:n]
+            self.fingerprint = {**self.fingerprint, "rows": n}
 
     def batch(self, ids: torch.Tensor) -> list[dict]:
         """Features of ``ids`` for every recovery group, ``TEACHER_BATCH`` rows at a time."""
@@ -63,6 +72,8 @@ class Teacher:
     def features(self) -> FeatureSource:
         """The training batch source: the disk cache (built on first use) or the live teacher."""
         groups = self.plan.groups
+        if self.mode == "probe":
+            return self._probe(PROBE_ROWS)
         if self.mode == "live":
             return lambda idx: teacher_features(self.dense, self.train_ids[idx], groups)
         names = tuple(f"{k}_{g}" for g in range(len(groups)) for k in ("inputs", "targets"))
@@ -82,6 +93,22 @@ class Teacher:
             got = self.cache.get(idx)
             return [{"inputs": got[f"inputs_{g}"], "targets": got[f"targets_{g}"]} for g in range(len(groups))]
         return source
+
+
+    def _probe(self, n: int) -> FeatureSource:
+        """Features of the first ``n`` rows for any index (cycled), timing the teacher on the
+        second half of them (the first forward pays one-off costs)."""
+        n = min(n, self.train_ids.shape[0])
+        half = max(1, n // 2)
+        t0 = time.perf_counter()
+        first = self.batch(self.train_ids[:half])
+        t1 = time.perf_counter()
+        second = self.batch(self.train_ids[half:n]) if n > half else []
+        self.row_seconds = (time.perf_counter() - t1) / (n - half) if n > half else (t1 - t0) / half
+        feats = [{k: torch.cat([f[k]] + ([second[g][k]] if second else [])) for k in f}
+                 for g, f in enumerate(first)]
+        rows = feats[0]["inputs"].shape[0]
+        return lambda idx: [{k: v[[i % rows for i in idx]] for k, v in f.items()} for f in feats]
 
 
 @dataclass

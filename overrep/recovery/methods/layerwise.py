@@ -16,7 +16,7 @@ from ...model.presets import get_preset
 from ...model.wrap import apply_preset, merge_recovery
 from ..losses import Tail, cached_fisher, cached_topk, centred_gram, downstream_gain, module_phases, teacher_topk
 from ..objectives import Layerwise
-from ..teacher import RecoveryInputs
+from ..teacher import PROBE_ROWS, RecoveryInputs
 from .base import Method, MethodRun, at_last_trained_step, check_fold
 
 
@@ -40,7 +40,10 @@ class LayerwiseRun(MethodRun):
         aux = self.loss_constants(per_module, full_ctx) if with_data else None
         source = teacher.features() if with_data else None
         if with_data and "kl-topk" in phases:
-            values, indices = cached_topk(teacher, r.loss_topk)
+            if teacher.mode == "probe":  # timing only: the probe rows' top-k, cycled like their features
+                values, indices = teacher_topk(inputs.dense, teacher.train_ids[:PROBE_ROWS], r.loss_topk)
+            else:
+                values, indices = cached_topk(teacher, r.loss_topk)
             source = _with_topk(source, values, indices)
             v, i = teacher_topk(inputs.dense, inputs.heldout_ids[:16], r.loss_topk)
             self.val_probe = [{**f, "topk_values": v, "topk_indices": i} for f in self.val_probe]
@@ -100,6 +103,7 @@ class LayerwiseRun(MethodRun):
 def _with_topk(source, values: torch.Tensor, indices: torch.Tensor):
     def wrapped(idx):
         batch = source(idx)
-        v, i = values[idx], indices[idx]
+        rows = [i % values.shape[0] for i in idx]  # (a probe cycles over its few rows)
+        v, i = values[rows], indices[rows]
         return [{**f, "topk_values": v, "topk_indices": i} for f in batch]
     return wrapped
