@@ -287,6 +287,11 @@ def cmd_methods(args) -> int:
     print("pruning criteria (prune.criterion):")
     for name, c in CRITERIA.items():
         print(f"  {name:16s} {c.description}")
+    from ..model.arch import PART_ADAPTERS
+
+    print("block parts overrep finds (architecture adapters, tried in order):")
+    for name, a in PART_ADAPTERS.items():
+        print(f"  {name:16s} {a.role}: {a.description}")
     return 0
 
 
