@@ -41,7 +41,7 @@ from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION
 from ..recovery.budget import fit_steps, parse_duration
 from ..recovery.methods import build_recovery, get_method
-from ..recovery.teacher import PROBE_ROWS, RecoveryInputs, Teacher
+from ..recovery.teacher import PROBE_ROWS, MethodInputs, Teacher
 from ..recovery.trainer import Trainer
 from ..paths import cache_root
 from .config import RunConfig
@@ -220,7 +220,7 @@ class Pipeline:
         if with_data and self.budget_sizes_cache() and "time_budget" not in self.metrics:
             self.fit_cached_budget()
         cached = self.teacher.seconds
-        inputs = RecoveryInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,
+        inputs = MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,
                                 self.total_steps, self.teacher)
         self.recovery = build_recovery(inputs, self.method, with_data=with_data)
         self.note_cache()
@@ -249,7 +249,7 @@ class Pipeline:
         if total is None:
             self.teacher.mode = "probe"
             try:
-                inputs = RecoveryInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,
+                inputs = MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,
                                         self.heldout_ids, self.total_steps, self.teacher)
                 t0 = time.perf_counter()
                 self.recovery = build_recovery(inputs, self.method)

@@ -4,7 +4,7 @@
 the hidden state entering it and the one it must reproduce), cached on disk
 (``cache.mode: disk``) or recomputed every step (``live``), and is where the losses'
 dense-model constants (diagonal Fisher, top-K log-probabilities) are cached next to
-them. :class:`RecoveryInputs` is everything a method gets: the pruned and the dense
+them. :class:`MethodInputs` is everything a method gets: the pruned and the dense
 model, the plan, the data, its config section and the teacher, and nothing else.
 """
 
@@ -112,7 +112,7 @@ class Teacher:
 
 
 @dataclass
-class RecoveryInputs:
+class MethodInputs:
     """What a recovery method is built from.
 
     ``config`` is the run's ``recovery`` section (learning rate resolved); ``total_steps``

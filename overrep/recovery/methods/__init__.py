@@ -21,7 +21,7 @@ overrep-kd     OverRep's recovery blocks                             KL to dense
 
 One module per family: :mod:`.layerwise` (overrep, plain, streamline), :mod:`.adapters`
 (lora, adalora, lora-iso), :mod:`.whole_model` (full-ft, logit-kd, overrep-kd); what they
-share is in :mod:`.base`. A method receives a :class:`~overrep.recovery.teacher.RecoveryInputs`
+share is in :mod:`.base`. A method receives a :class:`~overrep.recovery.teacher.MethodInputs`
 (models, plan, data, its config section, the teacher) and nothing else.
 
 Streamline (Chen et al., 2024) replaces the pruned run with one trained layer; here that
@@ -33,7 +33,7 @@ original inserts an extra layer).
 from __future__ import annotations
 
 from ...registry import Registry
-from ..teacher import RecoveryInputs
+from ..teacher import MethodInputs
 from .adapters import AdapterRun, iso_rank, lora_params_per_rank, projection_names
 from .base import Method, MethodRun
 from .layerwise import LayerwiseRun
@@ -76,7 +76,7 @@ def get_method(name: str) -> Method:
 FAMILIES = {"layerwise": LayerwiseRun, "adapter": AdapterRun, "full": FullRun, "overcomplete-kd": OvercompleteKDRun}
 
 
-def build_recovery(inputs: RecoveryInputs, method: Method, *, with_data: bool = True) -> MethodRun:
+def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = True) -> MethodRun:
     """``method`` set up on ``inputs`` (``with_data=False``: a layer-wise method without its
     feature cache, for re-exporting from checkpoints)."""
     if method.family == "layerwise":
@@ -84,5 +84,5 @@ def build_recovery(inputs: RecoveryInputs, method: Method, *, with_data: bool = 
     return FAMILIES[method.family](inputs, method)
 
 
-__all__ = ["METHODS", "FAMILIES", "Method", "MethodRun", "RecoveryInputs", "get_method", "build_recovery",
+__all__ = ["METHODS", "FAMILIES", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery",
            "iso_rank", "lora_params_per_rank", "projection_names"]

@@ -16,7 +16,7 @@ from ...errors import OverRepError
 from ...model.accounting import recovery_account
 from ...model.arch import block_parts, decoder_layers
 from ..objectives import LanguageModeling
-from ..teacher import RecoveryInputs
+from ..teacher import MethodInputs
 from .base import Method, MethodRun, check_fold, logits_of
 
 
@@ -71,7 +71,7 @@ class AdaLoraLanguageModeling(LanguageModeling):
 class AdapterRun(MethodRun):
     """A PEFT adapter on every projection of every retained block, merged at the end."""
 
-    def __init__(self, inputs: RecoveryInputs, method: Method):
+    def __init__(self, inputs: MethodInputs, method: Method):
         super().__init__(inputs, method)
         from peft import AdaLoraConfig, LoraConfig, get_peft_model
 

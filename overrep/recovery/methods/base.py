@@ -10,7 +10,7 @@ from torch import nn
 
 from ...errors import OverRepError
 from ..objectives import Objective
-from ..teacher import RecoveryInputs
+from ..teacher import MethodInputs
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class MethodRun:
 
     objective: Objective
 
-    def __init__(self, inputs: RecoveryInputs, method: Method):
+    def __init__(self, inputs: MethodInputs, method: Method):
         self.inputs, self.method = inputs, method
         self.model = inputs.pruned  # the compact model :meth:`finish` leaves behind
 

@@ -16,7 +16,7 @@ from ...model.presets import get_preset
 from ...model.wrap import apply_preset, merge_recovery
 from ..losses import Tail, cached_fisher, cached_topk, centred_gram, downstream_gain, module_phases, teacher_topk
 from ..objectives import Layerwise
-from ..teacher import PROBE_ROWS, RecoveryInputs
+from ..teacher import PROBE_ROWS, MethodInputs
 from .base import Method, MethodRun, at_last_trained_step, check_fold
 
 
@@ -24,7 +24,7 @@ class LayerwiseRun(MethodRun):
     """Recovery modules on teacher features (``with_data=False``: no feature cache, for
     re-exporting from checkpoints)."""
 
-    def __init__(self, inputs: RecoveryInputs, method: Method, *, with_data: bool = True):
+    def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
         super().__init__(inputs, method)
         r, teacher, plan = inputs.config, inputs.teacher, inputs.plan
         self.preset = get_preset(method.preset or r.preset)

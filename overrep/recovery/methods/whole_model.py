@@ -8,14 +8,14 @@ from ...model.arch import decoder_layers
 from ...model.presets import get_preset
 from ...model.wrap import apply_preset, merge_recovery
 from ..objectives import LanguageModeling, LogitDistillation, pretrained_matrix_ids, unique_trainable
-from ..teacher import RecoveryInputs
+from ..teacher import MethodInputs
 from .base import Method, MethodRun, at_last_trained_step, check_fold, logits_of
 
 
 class OvercompleteKDRun(MethodRun):
     """OverRep's recovery blocks trained end to end on the logit-KD objective."""
 
-    def __init__(self, inputs: RecoveryInputs, method: Method):
+    def __init__(self, inputs: MethodInputs, method: Method):
         super().__init__(inputs, method)
         self.preset = get_preset(method.preset or inputs.config.preset)
         self.modules = apply_preset(inputs.pruned, inputs.plan, self.preset)
@@ -39,7 +39,7 @@ class OvercompleteKDRun(MethodRun):
 class FullRun(MethodRun):
     """Every retained block trainable (embeddings, head and final norm frozen)."""
 
-    def __init__(self, inputs: RecoveryInputs, method: Method):
+    def __init__(self, inputs: MethodInputs, method: Method):
         super().__init__(inputs, method)
         model = inputs.pruned
         model.requires_grad_(False)
