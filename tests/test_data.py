@@ -354,3 +354,20 @@ def test_unseen_domains_must_not_be_trained_on():
 
     with pytest.raises(OverRepError, match="unseen domain"):
         unseen_domain_rows("c4", None, training_source="embedded+c4", seq_len=8, rows=2, seed=0)
+    # the same domain under another name is not unseen either (PTB's test split vs its training split)
+    with pytest.raises(OverRepError, match=r"domain \(news\).*'ptb-train'"):
+        unseen_domain_rows("lambada,ptb", None, training_source="embedded+ptb-train", seq_len=8, rows=2, seed=0)
+    with pytest.raises(OverRepError, match=r"domain \(wikipedia\)"):
+        unseen_domain_rows("wikitext", None, training_source="embedded", seq_len=8, rows=2, seed=0)
+
+
+@pytest.mark.parametrize("name, probe", [("ptb-train", " "), ("sciq", " ")])
+def test_packaged_corpora_read_real_text(name, probe):
+    from overrep.data.documents import PACKAGE_CORPORA, corpus_domain, load_documents
+
+    docs = load_documents(name, limit=50, seed=0)
+    assert len(docs) == 50 and all(probe in d for d in docs)
+    assert corpus_domain(name) == PACKAGE_CORPORA[name][3]
+    ptb_test = set(load_documents("ptb"))
+    if name == "ptb-train":  # the training split is not the test split
+        assert not ptb_test & set(docs)

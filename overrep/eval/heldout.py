@@ -13,6 +13,7 @@ import torch
 
 from ..data.documents import load_documents
 from ..data.packing import pack_documents
+from ..data.documents import corpus_domain
 from ..data.text import mixture_parts
 from ..errors import OverRepError
 from ..model.perplexity import perplexity
@@ -24,12 +25,15 @@ def unseen_domain_rows(names: str | None, tokenizer, *, training_source: str, se
     part of the training source is refused (its text would not be unseen)."""
     if not names:
         return {}
-    trained = set(mixture_parts(training_source))
+    trained = {corpus_domain(p): p for p in mixture_parts(training_source)}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    for name in wanted:  # every name is checked before any text loads
+        if corpus_domain(name) in trained:
+            raise OverRepError(f"eval.domains lists '{name}', whose domain ({corpus_domain(name)}) data.source "
+                               f"'{training_source}' trains on ('{trained[corpus_domain(name)]}'); an unseen "
+                               "domain must not be trained on")
     out = {}
-    for name in [n.strip() for n in names.split(",") if n.strip()]:
-        if name in trained:
-            raise OverRepError(f"eval.domains lists '{name}', which is part of data.source '{training_source}'; "
-                               "an unseen domain must not be trained on")
+    for name in wanted:
         docs = load_documents(name, seed=seed)
         out[name] = pack_documents(docs, tokenizer, seq_len, max_sequences=rows, progress=False)
     return out
