@@ -236,6 +236,26 @@ def test_every_builtin_preset_applies_and_merges(name):
     assert not has_wrappers(model)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_hybrid_narrow_puts_the_mlp_d_on_the_hidden_side_and_merges(arch):
+    model, plan = pruned(arch)
+    modules = apply_preset(model, plan, get_preset("hybrid-narrow"), AlphaSchedule(10))
+    hidden = model.config.hidden_size
+    mlp = modules[0].blocks[1].mlp
+    if arch == "llama":
+        assert mlp.gate_proj.side == "input" and mlp.gate_proj.D.shape == (hidden, hidden)
+        assert mlp.down_proj.side == "output" and mlp.down_proj.D.shape == (hidden, hidden)
+    else:
+        (ex, *_) = [m for m in modules[0].modules() if isinstance(m, OvercompleteExperts)]
+        assert ex.D_gate.shape[-1] == ex.D_down.shape[-1] == hidden and ex.sides["gate"] == "input"
+    perturb(modules)
+    modules[0].activation.set_step(10)
+    ids = tiny_ids()
+    before = model(ids).logits
+    merge_recovery(model)
+    assert (model(ids).logits - before).abs().max().item() < 1e-5
+
+
 def test_preset_from_yaml(tmp_path):
     f = tmp_path / "p.yaml"
     f.write_text("name: mine\nblocks:\n  - {train_base: true, w: [q, v]}\n  - {d: [down]}\nanneal: false\n")

@@ -98,6 +98,10 @@ BUILTIN_PRESETS: dict[str, Preset] = {p.name: p for p in [
             BlockSpec(True, ATTN_PROJ, MLP_PROJ), BlockSpec(False, ALL_PROJ, ALL_PROJ)),
     _preset("hybrid-linear", "hybrid without the annealed activation (ablation 'Hybrid')",
             BlockSpec(True, ATTN_PROJ, MLP_PROJ), BlockSpec(False, ALL_PROJ, ALL_PROJ), anneal=False),
+    Preset("hybrid-narrow", (BlockSpec(True, ATTN_PROJ, MLP_PROJ), BlockSpec(False, ALL_PROJ, ALL_PROJ)),
+           d_side={**DEFAULT_D_SIDE, "gate": "input", "up": "input", "down": "output"},
+           description="hybrid with the MLP's D on its hidden-size side (input of gate/up, output of down): "
+                       "D is hidden x hidden instead of intermediate x intermediate, a cheaper step"),
     _preset("plain", "no W or D: block 1 fine-tuned, block 2 frozen (ablation 'Plain')", *_both()),
     _preset("plain-full", "no W or D: every recovery block fine-tuned",
             BlockSpec(True), BlockSpec(True)),
