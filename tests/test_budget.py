@@ -10,7 +10,7 @@ from overrep.app.pipeline import Pipeline
 from overrep.errors import OverRepError
 from overrep.recovery.budget import StepCosts, fit_steps, parse_duration
 
-from tiny import tiny_cfg
+from tiny import run_killed_at, tiny_cfg
 
 
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("20m", 1200), ("1.5h", 5400), ("300", 300), (45, 45),
@@ -108,18 +108,8 @@ def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, mon
     ref = Pipeline(tiny_cfg(assets, tmp_path / "ref", **kw), progress=False).run()
     steps, rows = ref["time_budget"]["steps"], ref["time_budget"]["rows"]
     assert (steps, rows) == (4, 16)
-    original = Trainer.batch_indices
-
-    def dies_at_step_2(self, step):
-        if step == 2:
-            raise RuntimeError("simulated kill")
-        return original(self, step)
-
-    monkeypatch.setattr(Trainer, "batch_indices", dies_at_step_2)
     cfg = tiny_cfg(assets, tmp_path / "killed", **kw)
-    with pytest.raises(RuntimeError):
-        Pipeline(cfg, progress=False).run()
-    monkeypatch.setattr(Trainer, "batch_indices", original)
+    run_killed_at(monkeypatch, cfg, 2)
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: pytest.fail("measured again on resume"))
     m = Pipeline(cfg, resume=True, progress=False).run()
     assert (m["time_budget"]["steps"], m["time_budget"]["rows"]) == (steps, rows) == (m["train_steps"], rows)

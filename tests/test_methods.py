@@ -18,7 +18,7 @@ from overrep.recovery.objectives import LogitDistillation
 from overrep.app.pipeline import Pipeline
 from overrep.recovery.trainer import Trainer
 
-from tiny import tiny_cfg, tiny_ids, tiny_model
+from tiny import run_killed_at, tiny_cfg, tiny_ids, tiny_model
 
 FAST = dict(eval__perplexity=False, eval__latency=False)
 
@@ -79,18 +79,8 @@ def test_adalora_reallocates_ranks_during_training(assets, tmp_path):
 def test_adalora_resume_is_exact(assets, tmp_path, monkeypatch):
     kw = dict(recovery__method="adalora", recovery__lora_rank=4, recovery__steps=10, **FAST)
     Pipeline(tiny_cfg(assets, tmp_path / "ref", **kw), progress=False).run()
-    original = Trainer.batch_indices
-
-    def dies_at_step_5(self, step):
-        if step == 5:
-            raise RuntimeError("simulated kill")
-        return original(self, step)
-
-    monkeypatch.setattr(Trainer, "batch_indices", dies_at_step_5)
     cfg = tiny_cfg(assets, tmp_path / "killed", **kw)
-    with pytest.raises(RuntimeError):
-        Pipeline(cfg, progress=False).run()
-    monkeypatch.setattr(Trainer, "batch_indices", original)
+    run_killed_at(monkeypatch, cfg, 5)
     Pipeline(cfg, resume=True, progress=False).run()
     a = load_file(tmp_path / "ref" / "model" / "model.safetensors")
     b = load_file(tmp_path / "killed" / "model" / "model.safetensors")

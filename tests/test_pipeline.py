@@ -17,7 +17,7 @@ from overrep.app.pipeline import Pipeline
 from overrep.recovery.objectives import LayerwiseMSE
 from overrep.recovery.trainer import Trainer
 
-from tiny import tiny_cfg
+from tiny import run_killed_at, tiny_cfg
 
 def test_run_end_to_end(assets, tmp_path):
     out = tmp_path / "run"
@@ -53,22 +53,12 @@ def test_resume_after_a_kill_reaches_the_same_weights(assets, tmp_path, monkeypa
     Pipeline(tiny_cfg(assets, ref, eval__perplexity=False, eval__latency=False), progress=False).run()
 
     out = tmp_path / "killed"
-    original = Trainer.batch_indices
-
-    def dies_at_step_5(self, step):
-        if step == 5:
-            raise RuntimeError("simulated kill -9")  # no graceful checkpoint: the last one is step 4
-        return original(self, step)
-
-    monkeypatch.setattr(Trainer, "batch_indices", dies_at_step_5)
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False)
-    with pytest.raises(RuntimeError, match="simulated"):
-        Pipeline(cfg, progress=False).run()
+    run_killed_at(monkeypatch, cfg, 5)  # no graceful checkpoint: the last one is step 4
     assert not (out / "metrics.json").exists() and not (out / "model").exists()
     assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["step-000002.pt", "step-000004.pt"]
     with pytest.raises(OverRepError, match="unfinished run"):
         Pipeline(cfg, progress=False).run()
-    monkeypatch.setattr(Trainer, "batch_indices", original)
     Pipeline(cfg, resume=True, progress=False).run()
     a, b = _weights(ref), _weights(out)
     assert a.keys() == b.keys()

@@ -117,3 +117,25 @@ def tiny_cfg(assets: Path, out: Path, **over):
         section, field = key.split("__")
         base[section][field] = value
     return RunConfig.load(overrides=base)
+
+
+def run_killed_at(monkeypatch, cfg, step: int) -> None:
+    """Run ``cfg`` and kill it (no graceful checkpoint, like ``kill -9``) as it starts ``step``."""
+    import pytest
+
+    from overrep.app.pipeline import Pipeline
+    from overrep.recovery.trainer import Trainer
+
+    original = Trainer.batch_indices
+
+    def dies(self, at):
+        if at == step:
+            raise RuntimeError("simulated kill -9")
+        return original(self, at)
+
+    monkeypatch.setattr(Trainer, "batch_indices", dies)
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            Pipeline(cfg, progress=False).run()
+    finally:
+        monkeypatch.setattr(Trainer, "batch_indices", original)
