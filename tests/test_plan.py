@@ -88,6 +88,40 @@ def test_cache_size_and_flops_by_hand():
     assert plan["teacher"]["cache_build_flops"] == 2 * 4 * block * 160
 
 
+def test_flops_match_torch_flop_counter():
+    """An independent count: torch's FlopCounterMode on a real tiny hybrid module, mid-anneal
+    (two-factor form). Matmuls match exactly; eager attention computes the full T x T square,
+    twice the causal half the plan counts; forward + backward is 3 x the forward."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from overrep.model.flops import blocks_macs
+    from overrep.model.hooks import capture_layer_context, module_context
+    from overrep.model.presets import get_preset
+    from overrep.model.surgery import plan_pruning, prune
+    from overrep.model.wrap import apply_preset
+
+    torch.manual_seed(0)
+    cfg, T = tiny(), 16
+    cfg._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(cfg)
+    plan = plan_pruning(6, [1, 2])
+    prune(model, plan)
+    module = apply_preset(model, plan, get_preset("hybrid"))[0]
+    module.activation.set_alpha(0.5)
+    context = module_context(capture_layer_context(model, T), module)
+    with FlopCounterMode(display=False) as forward:
+        module(torch.randn(1, T, 32), context)
+    counts = {str(k): v for k, v in forward.get_flop_counts()["Global"].items()}
+    attention = 2 * T * T * 32  # MACs of the scores in both blocks: T tokens x T x (heads x head_dim), causal half
+    assert counts["aten.mm"] == 2 * (blocks_macs(module.blocks, cfg, T) * T - attention)
+    assert counts["aten.bmm"] == 2 * 2 * attention
+    with FlopCounterMode(display=False) as step:
+        module(torch.randn(1, T, 32), context).pow(2).sum().backward()
+    assert step.get_total_flops() == 3 * forward.get_total_flops()
+
+
 def test_two_runs_are_two_cached_groups():
     plan = make_plan(tiny(), PlanOptions(remove="1,4", sequences=3, seq_len=8, cache_dtype="float32"))
     assert len(plan["groups"]) == 2
