@@ -397,8 +397,8 @@ def load_config(spec: str | None = None) -> tuple[transformers.PretrainedConfig,
         if path.is_dir() and not (path / "config.json").is_file():
             raise OverRepError(f"'{spec}' is not a Hugging Face model folder (it has no config.json)")
         if path.suffix == ".gguf":
-            return read(path.parent, f"'{spec}'", gguf_file=path.name), str(path.resolve())
-        return read(path, f"'{spec}'"), str((path / "config.json" if path.is_dir() else path).resolve())
+            return read(path.parent, f"'{spec}'", gguf_file=path.name), str(path)
+        return read(path, f"'{spec}'"), str(path / "config.json" if path.is_dir() else path)
     online = hub_reachable()
     try:
         return AutoConfig.from_pretrained(spec, local_files_only=not online), spec
