@@ -57,6 +57,16 @@ def test_qwen3_14b_keeps_one_block_less_than_the_paper():
     assert round(trainable(paper, "plain")) == 330  # ... Plain 330M (block 1 fine-tuned)
 
 
+def test_llama3_3b_at_half_differs_from_the_paper():
+    # The table keeps 12 of 28 blocks (16 removed) at 50% but 19 (9 removed) at 25%. The 50%
+    # fraction of any parameter total is twice the 25% one, so rounding it gives at least
+    # 2 x 9 - 1 = 17 blocks; no rounding of one parameter fraction yields both rows. 18
+    # blocks are 50.2% of the counted parameters, 16 only 44.7%.
+    r = planned("llama3-3b", ratio=0.5)["removal"]
+    assert (r["num_removed"], r["layers_left"]) == (18, 10)
+    assert round(r["counted_fraction"], 3) == 0.502 and round(16 * r["params_per_block"] / r["counted_params"], 3) == 0.447
+
+
 def test_trainable_parameters_match_the_paper():
     p3 = planned("llama3-3b")
     assert round(trainable(p3, "hybrid"), 1) == 650.1  # Table tab:runtime: OverRep
