@@ -99,7 +99,8 @@ class PlanOptions:
         check_precision(self.precision, "--precision")
         if self.preset not in BUILTIN_PRESETS:
             raise OverRepError(f"--preset must be a built-in preset ({', '.join(BUILTIN_PRESETS)}), got {self.preset!r}")
-        parse_size(self.gpu_mem, "--gpu-mem"), parse_size(self.disk, "--disk")
+        parse_size(self.gpu_mem, "--gpu-mem")
+        parse_size(self.disk, "--disk")
 
 
 def _model(config):
