@@ -8,6 +8,7 @@
     overrep recover  [same options]   prune, cache, train, merge, export (no baseline evaluation)
     overrep export   --output DIR     merge and export a finished training from its checkpoints
     overrep eval     MODEL            lm-eval benchmarks offline (--perplexity: held-out perplexity)
+    overrep plan     --model CONFIG   from a config alone: removal, parameters, memory, cache, FLOPs, layout
     overrep presets                   list the built-in presets
     overrep methods                   list the recovery methods and pruning criteria
     overrep compare  --config FILE    a grid of methods x criteria x ratios, one table and plots
@@ -241,6 +242,43 @@ def _int_arg(text: str, flag: str) -> int:
         raise OverRepError(f"{flag} must be a whole number, got '{text}'") from None
 
 
+def cmd_plan(args) -> int:
+    from ..model.loading import load_config
+    from .plan_report import format_plan
+    from .planner import PlanOptions, make_plan
+
+    logging.getLogger("overrep.model.surgery").setLevel(logging.WARNING)  # one line per preset otherwise
+    config, source = load_config(args.model)
+    fields = ("ratio", "remove", "preset", "blocks", "gpus", "gpu_mem", "disk", "sequences", "seq_len", "batch",
+              "epochs", "cache_dtype", "dtype", "precision")
+    plan = make_plan(config, PlanOptions(**{k: getattr(args, k) for k in fields if getattr(args, k) is not None}),
+                     source=source)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="plan a run from a model config alone: removal, parameters per preset, "
+                                    "memory, cache size, FLOPs and the GPU layout (no weights)")
+    p.add_argument("--model", default="embedded", help="config.json file, model folder, .gguf file, 'embedded' or hub id")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--ratio", type=float, help="fraction of parameters to remove (default 0.25; criterion 'last')")
+    g.add_argument("--remove", help="explicit blocks to remove, e.g. 21-28")
+    p.add_argument("--preset", help="built-in preset the layout is planned for (default hybrid)")
+    for flag, kind, text in (("blocks", int, "recovery blocks per removed run (default 2)"),
+                             ("gpus", int, "GPUs (default 1)"), ("gpu-mem", str, "memory of one GPU (default 80GB)"),
+                             ("disk", str, "disk the feature cache may take (default 2TB)"),
+                             ("sequences", int, "training sequences (default 120000, the paper's)"),
+                             ("seq-len", int, "tokens per sequence (default 1024)"),
+                             ("batch", int, "sequences per optimiser step (default 8)"),
+                             ("epochs", float, "passes over the data (default 20, the paper's OverRep)")):
+        p.add_argument(f"--{flag}", type=kind, help=text)
+    p.add_argument("--cache-dtype", choices=("float32", "bfloat16"), help="stored feature dtype (default float32)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="model weights (default float32)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="recovery compute precision (default bf16)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
 def cmd_presets(args) -> int:
     from ..model.presets import BUILTIN_PRESETS
 
@@ -318,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--sequences", type=int, default=48)
     ev.add_argument("--quiet", action="store_true")
     add_benchmark_arguments(ev)
+    _plan_parser(sub)
     sub.add_parser("presets", help="list the built-in presets")
     sub.add_parser("methods", help="list the recovery methods and pruning criteria")
     c = sub.add_parser("compare", help="a grid of recovery methods x pruning criteria x ratios: table and plots")
@@ -343,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(["run", *(argv or sys.argv[1:])])
     handlers = {"run": cmd_run, "inspect": cmd_inspect, "prune": cmd_prune, "cache": cmd_cache,
                 "recover": lambda a: cmd_run(a, evaluate=False), "export": cmd_export, "eval": cmd_eval,
-                "presets": cmd_presets, "methods": cmd_methods,
+                "presets": cmd_presets, "methods": cmd_methods, "plan": cmd_plan,
                 "compare": cmd_compare}
     try:
         return handlers[command](args)

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .arch import decoder_layers
+from .flops import blocks_macs
 from .presets import Preset, get_preset
 from .wrap import apply_preset, count_parameters
 from .surgery import plan_pruning, prune
@@ -59,11 +60,14 @@ def blocks_for_ratio(model, ratio: float) -> int:
 
 
 def recovery_account(config: PretrainedConfig | str, removed: list[int], preset: Preset | str = "hybrid", *,
-                     blocks: int = 2, block1_init: str = "stitched", train_bytes: int = 4) -> dict:
+                     blocks: int = 2, block1_init: str = "stitched", train_bytes: int = 4,
+                     seq_len: int | None = None) -> dict:
     """Trainable parameters and training memory of ``preset`` for removing ``removed``.
 
     Memory counts weights, gradients and AdamW state of the recovery module (activations
     excluded; they depend on batch and sequence length), at ``train_bytes`` per value.
+    With ``seq_len``, also ``module_macs_per_token``: the multiply-adds one token costs in
+    the forward of all recovery modules in their training form (:mod:`overrep.model.flops`).
     """
     preset = get_preset(preset)
     model = meta_model(config)
@@ -76,6 +80,8 @@ def recovery_account(config: PretrainedConfig | str, removed: list[int], preset:
     trainable = sum(count_parameters(m, trainable_only=True) for m in modules)
     module_params = sum(count_parameters(m) for m in modules)
     frozen = module_params - trainable
+    extra = {} if seq_len is None else {
+        "module_macs_per_token": sum(blocks_macs(m.blocks, model.config, seq_len) for m in modules)}
     return {
         "preset": preset.name,
         "num_layers_before": num_layers,
@@ -89,4 +95,5 @@ def recovery_account(config: PretrainedConfig | str, removed: list[int], preset:
         "recovery_module_params": module_params,
         "recovery_ratio": trainable / compact_params,
         "train_state_bytes": trainable * (2 * train_bytes + _ADAMW_STATE_BYTES) + frozen * train_bytes,
+        **extra,
     }

@@ -11,6 +11,9 @@ One entry point, :func:`load_model`, accepts every way a user names a model:
 Every model comes back as a plain (never quantised) ``transformers`` model in eval mode,
 so it can be pruned, trained, saved with ``save_pretrained`` and reloaded with
 ``AutoModelForCausalLM.from_pretrained``.
+
+:func:`load_config` reads only the config of the same specs (and of a bare
+``config.json`` file), for accounting and planning without weights.
 """
 
 from __future__ import annotations
@@ -360,3 +363,48 @@ def load_model(
     logger.info("loaded %s model from %s (%.1fM parameters) in %.1f s",
                 kind, source, info["num_parameters"] / 1e6, info["load_seconds"])
     return model, tokenizer, info
+
+
+# --------------------------------------------------------------------------- configs only
+
+
+def load_config(spec: str | None = None) -> tuple[transformers.PretrainedConfig, str]:
+    """The model config of ``spec`` without any weights: ``(config, source actually read)``.
+
+    ``spec`` is ``None`` / ``"embedded"`` (the converted folder's ``config.json`` when the
+    conversion exists, else the GGUF's metadata), a ``config.json`` file, a model folder
+    holding one, a ``.gguf`` file, or a hub id (its ``config.json`` from the hub when
+    reachable, else from the local Hugging Face cache only).
+    """
+    from transformers import AutoConfig
+
+    def read(source, what: str, **kwargs):
+        try:
+            return AutoConfig.from_pretrained(source, **kwargs)
+        except (OSError, ValueError, KeyError) as error:
+            raise OverRepError(f"cannot read a model config from {what}: {_first_line(error)}") from None
+
+    if spec is None or spec == EMBEDDED:
+        gguf = embedded_gguf_path()
+        folder = embedded_cache_path()
+        if _cached_conversion_valid(folder, gguf):
+            return read(folder, f"'{folder}'"), str(folder / "config.json")
+        return read(gguf.parent, f"'{gguf}'", gguf_file=gguf.name), str(gguf)
+    if _looks_like_path(spec) or spec.endswith(".json"):
+        path = pathlib.Path(spec).expanduser()
+        if not path.exists():
+            raise OverRepError(f"model path '{spec}' does not exist")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise OverRepError(f"'{spec}' is not a Hugging Face model folder (it has no config.json)")
+        if path.suffix == ".gguf":
+            return read(path.parent, f"'{spec}'", gguf_file=path.name), str(path)
+        return read(path, f"'{spec}'"), str(path / "config.json" if path.is_dir() else path)
+    online = hub_reachable()
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=not online), spec
+    except (OSError, ValueError) as error:
+        if not online:
+            raise OverRepError(f"cannot reach the Hugging Face hub for the config of '{spec}' and it is not in "
+                               "the local cache; pass a config.json file or a model folder") from None
+        raise OverRepError(f"no config for '{spec}' on the Hugging Face hub ({_first_line(error)}); "
+                           "pass a config.json file or a model folder") from None
