@@ -73,6 +73,9 @@ VARIANTS = {
     "overrep_fp32_linear_ref": ("hybrid", "fp32", "linear", False),
     "overrep_fp32_linear": ("hybrid", "fp32", "linear", True),
     "overrep_bf16_linear": ("hybrid", "bf16", "linear", True),
+    # the MLP's D on its hidden-size side: hidden^2 instead of intermediate^2 per token
+    "narrow_bf16": ("hybrid-narrow", "bf16", "annealing", True),
+    "narrow_bf16_linear": ("hybrid-narrow", "bf16", "linear", True),
 }
 LINEAR_SHARE = 0.2  # RecoveryConfig.alpha_linear_ratio: the share of steps with alpha = 0
 MB = 1024 * 1024
@@ -240,6 +243,10 @@ def variant_ratios(v: dict) -> dict:
     for phase in ("", "_linear", "_schedule"):
         out[f"overrep_bf16{phase}_tokens_per_second_vs_fp32_today"] = base[phase] / t[f"overrep_bf16{phase}"]
     out["overrep_fp32_linear_fold_speedup"] = t["overrep_fp32_linear_ref"] / t["overrep_fp32_linear"]
+    if "narrow_bf16" in t:
+        t["narrow_bf16_schedule"] = (1 - LINEAR_SHARE) * t["narrow_bf16"] + LINEAR_SHARE * t["narrow_bf16_linear"]
+        for phase in ("", "_linear", "_schedule"):
+            out[f"narrow{phase}_vs_plain_step_time_bf16"] = t[f"narrow_bf16{phase}"] / t["plain_bf16"]
     out["plain_bf16_speedup"] = t["plain_fp32"] / t["plain_bf16"]
     return out
 

@@ -52,14 +52,16 @@ def test_bench_script_tiny(tmp_path):
     # the interleaved variants: both precisions, both alpha phases, folded and reference linear phase
     v = report["variants"]
     assert set(v) == {"plain_fp32", "plain_bf16", "overrep_fp32", "overrep_bf16", "overrep_fp32_linear_ref",
-                      "overrep_fp32_linear", "overrep_bf16_linear"}
+                      "overrep_fp32_linear", "overrep_bf16_linear", "narrow_bf16", "narrow_bf16_linear"}
+    assert v["narrow_bf16"]["preset"] == "hybrid-narrow"
     assert all(x["seconds_per_step_median"] > 0 and x["tokens_per_second"] > 0 for x in v.values())
     assert 0 < v["overrep_bf16"]["alpha"] < 1 and "alpha" not in v["overrep_bf16_linear"]
     assert v["overrep_fp32_linear"]["folded_linear_forward"] and not v["overrep_fp32_linear_ref"]["folded_linear_forward"]
     r = report["variant_ratios"]
     for key in ("overrep_vs_plain_step_time_fp32", "overrep_vs_plain_step_time_bf16",
                 "overrep_schedule_vs_plain_step_time_bf16", "overrep_bf16_vs_plain_fp32_step_time",
-                "overrep_bf16_schedule_tokens_per_second_vs_fp32_today", "overrep_fp32_linear_fold_speedup"):
+                "overrep_bf16_schedule_tokens_per_second_vs_fp32_today", "overrep_fp32_linear_fold_speedup",
+                "narrow_schedule_vs_plain_step_time_bf16"):
         assert key in r, key
     assert "torch_compile" in report and s["precision"] == "bf16"
     for case in report["cases"].values():
