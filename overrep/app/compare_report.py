@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 from ..atomic import write_file, write_text  # noqa: E402
 
@@ -127,6 +128,9 @@ def plot_budgets(results: dict, path: Path) -> bool:
                     capsize=3, label=f"{key[2]} ({key[0]} {key[1]:g})")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    minutes = [seconds[b] / 60 for b in durations]
+    ax.set_xticks(minutes, [f"{m:g}" for m in minutes])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("wall-clock budget, minutes (features + training)")
     ax.set_ylabel("held-out perplexity")
     ax.grid(alpha=0.3, which="both")
