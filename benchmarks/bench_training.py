@@ -298,7 +298,7 @@ def run_child(args) -> dict:
             dt = time.perf_counter() - t0
             n = p.train_ids.shape[0]
             out.update(cache_build_seconds=dt, cache_build_tokens_per_second=n * args.seq_len / dt,
-                       cache_samples=n, cache_bytes=p.cache.nbytes, peak_rss_mb=peak_rss_mb())
+                       cache_samples=n, cache_bytes=p.teacher.cache.nbytes, peak_rss_mb=peak_rss_mb())
             return out
         if case != "overrep_live":
             p.dense = None  # training from the cache never touches the teacher
