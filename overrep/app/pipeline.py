@@ -221,7 +221,7 @@ class Pipeline:
             self.fit_cached_budget()
         cached = self.teacher.seconds
         inputs = MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,
-                                self.total_steps, self.teacher)
+                              self.total_steps, self.teacher)
         self.recovery = build_recovery(inputs, self.method, with_data=with_data)
         self.note_cache()
         self.build_seconds = time.perf_counter() - t0 - (self.teacher.seconds - cached)
@@ -250,7 +250,7 @@ class Pipeline:
             self.teacher.mode = "probe"
             try:
                 inputs = MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,
-                                        self.heldout_ids, self.total_steps, self.teacher)
+                                      self.heldout_ids, self.total_steps, self.teacher)
                 t0 = time.perf_counter()
                 self.recovery = build_recovery(inputs, self.method)
                 rebuild = time.perf_counter() - t0 - PROBE_ROWS * self.teacher.row_seconds  # paid again below
