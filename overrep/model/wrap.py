@@ -30,7 +30,7 @@ class RecoveryModule(nn.Module):
 
     ``forward(h [B, T, H], context) -> [B, T, H]`` where ``context[i]`` holds the keyword
     arguments (attention mask, rotary embeddings, ...) of the module's i-th block.
-    ``precision`` (``fp32`` | ``bf16``, see :mod:`overrep.precision`) sets the autocast the
+    ``precision`` (``fp32`` | ``bf16``, see :mod:`overrep.core.precision`) sets the autocast the
     forward runs under; the output is returned in the input's dtype.
     """
 

@@ -7,7 +7,7 @@ of a micro-batch of training-row indices, and any state of its own.
 * :class:`Layerwise` -- OverRep and the layer-wise baselines (paper ``eq:ours``):
   each recovery module's output against the dense model's hidden state after the
   removed segment, on cached (or live) teacher features, compared by ``recovery.loss``
-  (:mod:`overrep.losses`; ``mse``, the paper's, by default).
+  (:mod:`overrep.recovery.losses`; ``mse``, the paper's, by default).
 * :class:`LanguageModeling` -- next-token cross-entropy of the whole pruned model
   (LoRA, AdaLoRA, full fine-tuning).
 * :class:`LogitDistillation` -- forward KL ``KL(p_teacher || p_student)`` at temperature
@@ -95,7 +95,7 @@ def unique_trainable(modules) -> list[nn.Parameter]:
 class Layerwise(Objective):
     """OverRep's objective: each recovery module reproduces the dense segment's output.
 
-    ``loss`` names the comparison (:mod:`overrep.losses`; ``mse`` is the paper's), or two
+    ``loss`` names the comparison (:mod:`overrep.recovery.losses`; ``mse`` is the paper's), or two
     joined as ``"A>B"``: A until ``switch`` (fraction of ``total_steps``), then B.
     ``aux[i]`` holds module i's constants: ``gain`` (normed), ``fisher``, ``gram`` (logit),
     ``tail`` (kl-topk); a batch dict may carry ``topk_values`` / ``topk_indices``.
