@@ -14,7 +14,7 @@ from overrep.model.arch import decoder_layers
 from overrep.errors import OverRepError
 from overrep.core.experts import OvercompleteExperts
 from overrep.app.export import PROVENANCE_FILE, export_model
-from overrep.model.presets import BUILTIN_PRESETS, BlockSpec, Preset, get_preset
+from overrep.model.presets import BUILTIN_PRESETS, Preset, get_preset
 from overrep.core.projection import MergeRefused, OvercompleteLinear, ReparamNorm
 from overrep.model.hooks import capture_layer_context, module_context, teacher_features
 from overrep.model.wrap import apply_preset, count_parameters, has_wrappers, merge_recovery

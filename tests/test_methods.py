@@ -16,7 +16,6 @@ from overrep.model.accounting import recovery_account
 from overrep.recovery.methods import METHODS, iso_rank, lora_params_per_rank
 from overrep.recovery.objectives import LogitDistillation
 from overrep.app.pipeline import Pipeline
-from overrep.recovery.trainer import Trainer
 
 from tiny import run_killed_at, tiny_cfg, tiny_ids, tiny_model
 

@@ -15,7 +15,6 @@ from overrep.app.config import RunConfig
 from overrep.errors import OverRepError
 from overrep.app.pipeline import Pipeline
 from overrep.recovery.objectives import LayerwiseMSE
-from overrep.recovery.trainer import Trainer
 
 from tiny import run_killed_at, tiny_cfg
 
