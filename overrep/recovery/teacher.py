@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from ..data.cache import build_or_open
+from ..distributed import SINGLE, World
 from ..model.hooks import teacher_features
+from ..model.streaming import stream_features
 from ..model.runtime import digest
 from ..model.surgery import PrunePlan
 
@@ -49,6 +51,8 @@ class Teacher:
     progress: bool = True
     seconds: float = 0.0
     row_seconds: float | None = None  # measured by a probe: teacher seconds per training row
+    world: World = SINGLE  # several ranks build the disk cache together (overrep.distributed)
+    stream_from: Path | None = None  # a safetensors folder: features by streaming its blocks (overrep.model.streaming)
     cache: Any = field(default=None, repr=False)
 
     def use_rows(self, n: int) -> None:
@@ -61,6 +65,8 @@ class Teacher:
     def batch(self, ids: torch.Tensor) -> list[dict]:
         """Features of ``ids`` for every recovery group, ``TEACHER_BATCH`` rows at a time."""
         groups = self.plan.groups
+        if self.stream_from is not None:
+            return stream_features(self.stream_from, ids.cpu(), groups, dtype=self.dense.dtype, batch=TEACHER_BATCH)
         parts = [teacher_features(self.dense, ids[i:i + TEACHER_BATCH], groups)
                  for i in range(0, ids.shape[0], TEACHER_BATCH)]
         return [{k: torch.cat([p[g][k] for p in parts]) for k in ("inputs", "targets")} for g in range(len(groups))]
@@ -86,7 +92,7 @@ class Teacher:
         self.cache = build_or_open(self.cache_path, fingerprint=self.fingerprint, num_samples=self.train_ids.shape[0],
                                    seq_len=self.train_ids.shape[1], hidden_size=self.dense.config.hidden_size,
                                    dtype=FEATURE_DTYPES[self.dtype], produce=produce, tensors=names,
-                                   rebuild=self.rebuild, progress=self.progress)
+                                   rebuild=self.rebuild, progress=self.progress, world=self.world)
         self.seconds += time.perf_counter() - t0
 
         def source(idx: list[int]) -> list[dict]:

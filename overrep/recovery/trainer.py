@@ -28,8 +28,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import save_torch, write_text
-from .budget import StepCosts
+from .budget import Deadline, StepCosts
 from .sampler import epoch_batches
+from ..distributed import SINGLE, World
 from ..errors import OverRepError
 from .objectives import Objective
 from ..core.schedule import AlphaSchedule
@@ -96,8 +97,10 @@ class Trainer:
     """Optimises ``objective`` for ``total_steps`` steps; checkpoints into ``ckpt_dir``."""
 
     def __init__(self, objective: Objective, num_samples: int, cfg: RecoveryConfig, total_steps: int,
-                 ckpt_dir: Path, tokens_per_sample: int = 0, fingerprint: str = "", progress: bool = True):
-        self.objective = objective
+                 ckpt_dir: Path, tokens_per_sample: int = 0, fingerprint: str = "", progress: bool = True,
+                 world: World = SINGLE):
+        world.check_divides(cfg.batch_size, "recovery.batch_size")
+        self.objective, self.world = objective, world
         self.num_samples, self.cfg, self.total = num_samples, cfg, total_steps
         self.ckpt_dir, self.fingerprint, self.progress = Path(ckpt_dir), fingerprint, progress
         self.tokens_per_sample = tokens_per_sample
@@ -107,13 +110,36 @@ class Trainer:
             raise OverRepError(f"batch_size x grad_accum = {self.per_step} exceeds the {num_samples} training "
                                "sequences; lower the batch or add data")
         self.steps_per_epoch = num_samples // self.per_step
-        schedule = AlphaSchedule(total_steps, cfg.alpha_warmup_ratio, cfg.alpha_linear_ratio)
-        for a in objective.activations:
-            a.set_schedule(schedule)
         self.opt = make_optimizer(objective, cfg)
         self.step = 0
         self.history: list[dict] = []
         self.seconds = 0.0
+        self.deadline: Deadline | None = None  # a budgeted run: re-fit the step count once it has timed itself
+        self.refit: dict | None = None  # what that re-fit measured and changed
+        self.set_total(total_steps)
+
+    def set_total(self, total: int) -> None:
+        """Train for ``total`` steps: the α schedule, the learning rate and the objective's
+        own phases all follow."""
+        self.total = total
+        schedule = AlphaSchedule(total, self.cfg.alpha_warmup_ratio, self.cfg.alpha_linear_ratio)
+        for a in self.objective.activations:
+            a.set_schedule(schedule)
+        self.objective.set_total_steps(total)
+
+    def refit_to_deadline(self, step_seconds: list[float]) -> None:
+        """Re-fit the step count to the time left, from the real steps timed so far (the
+        first one, which pays one-off costs, left out)."""
+        timed = step_seconds[1:] or step_seconds
+        observed = sum(timed) / len(timed)
+        total = self.world.broadcast(self.step + self.deadline.steps_left(observed, time.perf_counter()))
+        self.refit = {"at_step": self.step, "seconds_per_step": observed,
+                      "probe_seconds_per_step": self.deadline.costs.anneal or self.deadline.costs.step,
+                      "steps_before": self.total, "steps_after": total}
+        if total != self.total:
+            log.info("time budget: a step takes %.2f s here (%.2f s in the probe): %d steps instead of %d",
+                     observed, self.refit["probe_seconds_per_step"], total, self.total)
+            self.set_total(total)
 
     # ---- data --------------------------------------------------------------------
     def batch_indices(self, step: int) -> list[int]:
@@ -134,6 +160,8 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         path = self._ckpt_path(self.step)
+        if not self.world.is_main:  # one writer; every rank reads it back on resume
+            return path
         state = {"step": self.step, "total_steps": self.total, "fingerprint": self.fingerprint,
                  "trainable": trainable_state(self.objective), "optimizer": self.opt.state_dict(),
                  "history": self.history, "seconds": self.seconds, "rng": torch.get_rng_state(),
@@ -178,14 +206,15 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         total = 0.0
         for k in range(cfg.grad_accum):
-            loss = obj.loss(idx[k * self.micro:(k + 1) * self.micro]) / cfg.grad_accum
-            if not torch.isfinite(loss):
-                last = self.latest_checkpoint()
-                raise OverRepError(f"loss became {loss.item()} at step {self.step}; last good checkpoint: "
-                                   f"{last or 'none'} (lower recovery.lr, or check the data)")
+            loss = obj.loss(self.world.part(idx[k * self.micro:(k + 1) * self.micro])) / cfg.grad_accum
             loss.backward()
             total += loss.item()
         params = [p for g in self.opt.param_groups for p in g["params"]]
+        # several ranks: each had its share of the batch; the mean of their means is the batch's
+        [total] = self.world.average([p.grad for p in params if p.grad is not None], [total])
+        if not math.isfinite(total):  # the same verdict on every rank: they stop together
+            raise OverRepError(f"loss became {total} at step {self.step}; last good checkpoint: "
+                               f"{self.latest_checkpoint() or 'none'} (lower recovery.lr, or check the data)")
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         if not torch.isfinite(gnorm):
             raise OverRepError(f"gradient norm became {gnorm.item()} at step {self.step}; last good "
@@ -214,7 +243,8 @@ class Trainer:
             return sorted(times)[len(times) // 2]
 
         linear = min(1.0, max(0.0, self.cfg.alpha_linear_ratio)) if self.objective.activations else 0.0
-        step = (1 - linear) * timed(self.total // 2) + (linear * timed(self.total - 1) if linear else 0.0)
+        anneal = timed(self.total // 2)
+        step = (1 - linear) * anneal + (linear * timed(self.total - 1) if linear else 0.0)
         self.step = 0
         t0 = time.perf_counter()
         self.objective.validation_loss()
@@ -227,22 +257,29 @@ class Trainer:
             self.save_checkpoint()
             checkpoint = time.perf_counter() - t0
         self.ckpt_dir = ckpt_dir
-        return StepCosts(step, validation, checkpoint)
+        return StepCosts(step, validation, checkpoint, anneal=anneal)
 
     def run(self) -> TrainResult:
         cfg, obj = self.cfg, self.objective
         obj.train(True)
-        bar = tqdm(total=self.total, initial=self.step, desc="recovery", unit="step", disable=not self.progress,
-                   dynamic_ncols=True)
+        bar = tqdm(total=self.total, initial=self.step, desc="recovery", unit="step",
+                   disable=not (self.progress and self.world.is_main), dynamic_ncols=True)
+        refit_at = self.deadline.refit_step(self.total) if self.deadline and self.objective.retargetable else -1
+        refit_at = refit_at if refit_at < self.total else -1  # a run that short has no schedule left to re-fit
+        step_seconds: list[float] = []
         try:
             while self.step < self.total:
                 t0 = time.perf_counter()
                 total, gnorm = self._step()
                 self.step += 1
-                self.seconds += time.perf_counter() - t0
+                step_seconds.append(time.perf_counter() - t0)
+                self.seconds += step_seconds[-1]
+                if self.step == refit_at:
+                    self.refit_to_deadline(step_seconds)
+                    bar.total = self.total
                 rec = {"step": self.step, "loss": total, "lr": self.opt.param_groups[0]["lr"],
                        "alpha": self.alpha, "grad_norm": float(gnorm)}
-                if self.step % cfg.eval_every == 0 or self.step == self.total:
+                if self.world.is_main and (self.step % cfg.eval_every == 0 or self.step == self.total):
                     rec["val_loss"] = obj.validation_loss()
                     rec["val_ppl"] = obj.validation_ppl()
                     self.last_val_ppl = rec["val_ppl"]

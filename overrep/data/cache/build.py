@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ...distributed import SINGLE, World
 from ...errors import OverRepError
 from .format import (FINGERPRINT, MANIFEST, FeatureCacheCorrupt, FeatureCacheMismatch, _clear_cache_files,
                      _dtype_name, _mismatch_reason, _read_json, _record)
@@ -32,6 +33,7 @@ def build_or_open(
     tensors: tuple[str, ...] = ("inputs", "targets"),
     rebuild: str = "auto",
     progress: bool = True,
+    world: World = SINGLE,
 ) -> FeatureCache:
     """Open the cache at ``path`` if it matches ``fingerprint``, else (re)build it.
 
@@ -45,6 +47,9 @@ def build_or_open(
     * partial build (shards, no manifest) with the same fingerprint -> resumed: only
       the missing shards are produced.
 
+    ``world``: several ranks (:mod:`overrep.distributed`) build one cache together, each
+    its share of the shards; all of them return the same complete cache.
+
     ``produce(sample_range)`` returns ``{name: [len(sample_range), seq_len, hidden_size]}``
     for the samples of one shard (any dtype/device; cast to ``dtype`` on CPU).
     """
@@ -54,34 +59,83 @@ def build_or_open(
     layout = {"num_samples": num_samples, "seq_len": seq_len, "hidden_size": hidden_size,
               "dtype": _dtype_name(dtype), "shard_size": shard_size, "tensors": list(tensors)}
     expected = _record(fingerprint, layout)
+    args = dict(fingerprint=fingerprint, num_samples=num_samples, seq_len=seq_len, hidden_size=hidden_size,
+                dtype=dtype, shard_size=shard_size, tensors=tensors, rank=world.rank)
+    if world.distributed:
+        return _build_together(path, expected, rebuild, args, produce, progress, world)
+    cache = _settle(path, expected, rebuild)
+    if cache is not None:
+        return cache
+    writer = FeatureCacheWriter(path, **args)
+    _produce(writer, writer.missing_shards(), produce, progress)
+    return writer.finalize()
 
+
+def _settle(path: Path, expected: dict, rebuild: str) -> FeatureCache | None:
+    """The complete matching cache at ``path``, or None once the folder is ready to be
+    (re)built: stale files cleared, or a refusal under ``rebuild="never"``."""
     if rebuild == "always":
         _clear_cache_files(path)
-    else:
-        cache, stale = _probe_existing(path, expected)
-        if cache is not None:
-            return cache
-        if stale is not None:
-            if rebuild == "never":
-                raise OverRepError(f"{stale}; delete it or set cache.rebuild: auto")
-            logger.warning("%s; rebuilding it", stale)
-            if isinstance(stale, FeatureCacheMismatch):
-                _clear_cache_files(path)
-            # A corrupt cache keeps its good shards: the writer re-checks every shard
-            # and drops the bad ones, so only those are produced again.
+        return None
+    cache, stale = _probe_existing(path, expected)
+    if cache is not None:
+        return cache
+    if stale is not None:
+        if rebuild == "never":
+            raise OverRepError(f"{stale}; delete it or set cache.rebuild: auto")
+        logger.warning("%s; rebuilding it", stale)
+        if isinstance(stale, FeatureCacheMismatch):
+            _clear_cache_files(path)
+        # A corrupt cache keeps its good shards: the writer re-checks every shard
+        # and drops the bad ones, so only those are produced again.
+    return None
 
-    writer = FeatureCacheWriter(path, fingerprint=fingerprint, num_samples=num_samples, seq_len=seq_len,
-                                hidden_size=hidden_size, dtype=dtype, shard_size=shard_size, tensors=tensors)
-    missing = writer.missing_shards()
-    todo = sum(len(writer.shard_range(s)) for s in missing)
-    logger.info("building feature cache at %s: %d of %d samples to produce", path, todo, num_samples)
-    with tqdm(total=num_samples, initial=num_samples - todo, unit="sample", desc="feature cache",
-              disable=not progress, dynamic_ncols=True) as bar:
-        for shard in missing:
+
+def _produce(writer: FeatureCacheWriter, shards: list[int], produce, progress: bool) -> None:
+    todo = sum(len(writer.shard_range(s)) for s in shards)
+    logger.info("building feature cache at %s: %d of %d samples to produce", writer.path, todo,
+                writer.layout["num_samples"])
+    with tqdm(total=todo, unit="sample", desc="feature cache", disable=not progress, dynamic_ncols=True) as bar:
+        for shard in shards:
             rows = writer.shard_range(shard)
             writer.write_shard(shard, **produce(rows))
             bar.update(len(rows))
-    return writer.finalize()
+
+
+def _build_together(path: Path, expected: dict, rebuild: str, args: dict, produce, progress: bool,
+                    world: World) -> FeatureCache:
+    """Several ranks, one cache: rank 0 settles the folder and claims it, every rank scans
+    it, rank r produces the missing shards s with s mod N = r, and rank 0 writes the
+    manifest (each shard's entry names the rank that wrote it)."""
+    verdict, cache, writer = None, None, None
+    if world.is_main:
+        try:
+            cache = _settle(path, expected, rebuild)
+            if cache is None:
+                writer = FeatureCacheWriter(path, **args)
+            verdict = "open" if cache is not None else "build"
+        except OverRepError as exc:
+            verdict = f"error: {exc}"
+            raise
+        finally:
+            verdict = world.broadcast(verdict or "error: rank 0 failed")
+    else:
+        verdict = world.broadcast(None)
+        if verdict.startswith("error: "):
+            raise OverRepError(verdict[len("error: "):])
+    if verdict == "build":
+        if writer is None:
+            writer = FeatureCacheWriter(path, **args, claim=False)
+        world.barrier()  # every rank has scanned the folder before any writes into it
+        _produce(writer, [s for s in writer.missing_shards() if s % world.size == world.rank], produce,
+                 progress and world.is_main)
+        world.barrier()
+        if world.is_main:
+            writer.adopt_written()
+            cache = writer.finalize()
+        world.barrier()
+    return cache if cache is not None else FeatureCache.open(path, fingerprint=expected["fingerprint"],
+                                                             verify=False)
 
 
 def _probe_existing(path: Path, expected: dict) -> tuple[FeatureCache | None, OverRepError | None]:

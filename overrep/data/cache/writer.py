@@ -43,7 +43,12 @@ class FeatureCacheWriter:
         dtype: torch.dtype = torch.float32,
         shard_size: int = 64,
         tensors: tuple[str, ...] = ("inputs", "targets"),
+        rank: int = 0,
+        claim: bool = True,
     ) -> None:
+        """``rank``: recorded with every shard this writer writes (several ranks build one
+        cache); ``claim=False``: another rank's writer has claimed the folder already."""
+        self.rank = rank
         for name, value in (("num_samples", num_samples), ("seq_len", seq_len),
                             ("hidden_size", hidden_size), ("shard_size", shard_size)):
             if not isinstance(value, int) or value <= 0:
@@ -71,7 +76,8 @@ class FeatureCacheWriter:
             if _is_no_space(exc):
                 raise _no_space_error(self.path) from exc
             raise OverRepError(f"cannot create the feature cache directory {self.path}: {exc.strerror or exc}") from exc
-        self._claim_directory()
+        if claim:
+            self._claim_directory()
         self._scan_existing()
 
     # -- setup ---------------------------------------------------------------
@@ -100,8 +106,9 @@ class FeatureCacheWriter:
             if _TMP_RE.match(child.name):
                 _remove_quietly(child)
 
-    def _scan_existing(self) -> None:
-        """Adopt shards a previous (killed) build finished; drop invalid ones."""
+    def _scan_existing(self, hash_it: bool = True) -> None:
+        """Adopt shards a previous (killed) build finished; drop invalid ones. ``hash_it=False``
+        trusts the sidecars' sha256 (shards other ranks have just written and hashed)."""
         for shard in range(self.num_shards):
             file, sidecar = self.path / _shard_name(shard), self.path / _sidecar_name(shard)
             if not file.exists() and not sidecar.exists():
@@ -114,7 +121,7 @@ class FeatureCacheWriter:
                         or entry.get("count") != len(self.shard_range(shard)):
                     raise FeatureCacheCorrupt(f"feature cache shard {file} belongs to a different build")
                 # Hashing here costs far less than producing the shard again with the dense model.
-                _check_shard_file(self.path, entry, self.layout, hash_it=True)
+                _check_shard_file(self.path, entry, self.layout, hash_it=hash_it)
             except FeatureCacheCorrupt as exc:
                 logger.warning("%s; it will be written again", exc)
                 _remove_quietly(file)
@@ -163,7 +170,7 @@ class FeatureCacheWriter:
         metadata = {"key": self.key, "shard": str(shard), "start": str(rows.start), "count": str(len(rows))}
         size, digest = _atomic_write(file, _safetensors_chunks(prepared, metadata), self.path)
         entry = {"file": file.name, "shard": shard, "start": rows.start, "count": len(rows),
-                 "size": size, "sha256": digest, "key": self.key}
+                 "size": size, "sha256": digest, "rank": self.rank, "key": self.key}
         try:
             _atomic_write_json(sidecar, entry, self.path)
         except BaseException:
@@ -171,6 +178,10 @@ class FeatureCacheWriter:
             _remove_quietly(file)
             raise
         self._done[shard] = entry
+
+    def adopt_written(self) -> None:
+        """Take in the shards other ranks wrote since this writer scanned the folder."""
+        self._scan_existing(hash_it=False)
 
     def finalize(self) -> FeatureCache:
         """Write ``manifest.json`` (last, atomically) and return the reader.

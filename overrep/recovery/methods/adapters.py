@@ -50,8 +50,11 @@ class AdaLoraLanguageModeling(LanguageModeling):
     """Language modelling plus AdaLoRA's rank allocation after every optimiser step.
 
     The allocator's importance statistics and the current rank pattern are training
-    state, so a resumed run allocates exactly as an unbroken one.
+    state, so a resumed run allocates exactly as an unbroken one. Its allocation schedule
+    is fixed to the step count when PEFT builds it, so a budget does not re-fit it.
     """
+
+    retargetable = False
 
     def after_optimizer_step(self, step: int) -> None:
         self.model.base_model.update_and_allocate(step)
@@ -64,7 +67,9 @@ class AdaLoraLanguageModeling(LanguageModeling):
     def load_extra_state(self, state: dict) -> None:
         if state:
             alloc = self.model.base_model.rankallocator
-            alloc.ipt, alloc.exp_avg_ipt, alloc.exp_avg_unc = state["ipt"], state["exp_avg_ipt"], state["exp_avg_unc"]
+            device = next(self.model.parameters()).device  # a checkpoint is loaded onto the CPU
+            alloc.ipt, alloc.exp_avg_ipt, alloc.exp_avg_unc = (
+                {k: v.to(device) for k, v in state[name].items()} for name in ("ipt", "exp_avg_ipt", "exp_avg_unc"))
             self.model.peft_config["default"].rank_pattern = state["rank_pattern"]
 
 

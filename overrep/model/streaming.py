@@ -1,0 +1,180 @@
+"""A teacher that does not have to fit: the dense model's features, one block at a time.
+
+:func:`stream_features` gives what :func:`~overrep.model.hooks.teacher_features` gives
+(per recovery group, the hidden state entering it and the one it must reproduce) for a
+model that is never whole in memory. It reads the checkpoint's safetensors files lazily:
+
+1. The model is built with empty weights (``accelerate.init_empty_weights``: parameters on
+   the meta device, buffers such as rotary frequencies computed for real); only the
+   parameters outside the decoder blocks (embeddings, final norm) are read from disk.
+2. One forward pass per batch with every block replaced by a recorder gives the hidden
+   state entering block 0 and the keyword arguments (masks, rotary embeddings) every block
+   receives: the model's own code computes them, for every architecture alike.
+3. Block by block, up to the last one a group needs: its weights are read from disk, all
+   rows' hidden states go through it, the ones the groups need are kept, and its weights
+   go back to the meta device before the next block is read.
+
+Peak memory: the embeddings, one block, and the rows' hidden states (plus what is kept),
+whatever the number of blocks. ``benchmarks/bench_streaming.py`` measures it on the
+embedded model against holding the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import OverRepError
+from .arch import decoder_layers, final_norm
+from .surgery import RecoveryGroup
+
+LAYERS_PREFIX = "model.layers."
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    """Stands in for block ``i`` during the recording pass: keeps what it receives."""
+
+    def __init__(self, i: int, record: list, last: int):
+        super().__init__()
+        self.i, self.record, self.last = i, record, last
+
+    def forward(self, hidden_states, *args, **kwargs):
+        drop = {"past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions"}
+        self.record.append((hidden_states if self.i == 0 else None,
+                            args, {k: v for k, v in kwargs.items() if k not in drop}))
+        if self.i == self.last:
+            raise _Stop
+        return hidden_states
+
+
+class _Checkpoint:
+    """Tensor name -> safetensors file of a local Hugging Face folder, opened lazily."""
+
+    def __init__(self, folder: Path):
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.where = {k: folder / f for k, f in weight_map.items()}
+        elif (folder / "model.safetensors").exists():
+            from safetensors import safe_open
+
+            file = folder / "model.safetensors"
+            with safe_open(str(file), framework="pt") as f:
+                self.where = {k: file for k in f.keys()}
+        else:
+            raise OverRepError(f"the streaming teacher reads safetensors files; {folder} has none")
+
+    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        out, by_file = {}, {}
+        for n in names:
+            by_file.setdefault(self.where[n], []).append(n)
+        for file, keys in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for k in keys:
+                    out[k] = f.get_tensor(k).to(dtype)
+        return out
+
+
+def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors (``experts.E.gate_proj.weight`` ...) as the fused
+    parameters transformers builds from them at load time: ``experts.gate_up_proj``
+    ``[E, 2I, H]`` (gate rows, then up rows) and ``experts.down_proj`` ``[E, H, I]``."""
+    import re
+
+    found: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"(.*experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if m:
+            found.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        else:
+            out[name] = t
+    for prefix, experts in found.items():
+        order = sorted(experts)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]])
+                                                     for e in order])
+        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in order])
+    return out
+
+
+def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Assign ``tensors`` (names relative to ``module``) as its parameters, exactly."""
+    expected = {n for n, _ in module.named_parameters()}
+    if set(tensors) != expected:
+        tensors = _fuse_experts(tensors)
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise OverRepError(f"the streaming teacher cannot load {what}: its checkpoint names do not match the "
+                           f"model's (missing {missing[:3]}, unexpected {extra[:3]}); use the in-memory teacher")
+    module.load_state_dict(tensors, strict=False, assign=True)
+
+
+@torch.no_grad()
+def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[RecoveryGroup], *,
+                    dtype: torch.dtype = torch.float32, batch: int = 8) -> list[dict]:
+    """Per group ``{"inputs", "targets"}`` ``[N, T, H]`` for ``input_ids`` ``[N, T]``, read from
+    the Hugging Face folder ``folder`` one decoder block at a time (on the CPU)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    ckpt = _Checkpoint(folder)
+    config = AutoConfig.from_pretrained(folder)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    model.eval()
+    blocks = decoder_layers(model)
+    # outside the blocks: embeddings and norms, read now; the LM head is never run here
+    outside = [n for n, _ in model.named_parameters() if not n.startswith(LAYERS_PREFIX)
+               and not n.startswith("lm_head.")]
+    absent = sorted(n for n in outside if n not in ckpt.where)
+    if absent:
+        raise OverRepError(f"the streaming teacher found no tensors for {absent[:3]} in {folder}")
+    model.load_state_dict(ckpt.read(outside, dtype), strict=False, assign=True)
+
+    last = max(g.target_layer for g in groups)
+    real = list(blocks)
+    records: list[list] = []
+    for i in range(0, input_ids.shape[0], batch):
+        record: list = []
+        model.model.layers = nn.ModuleList(_Recorder(j, record, last) for j in range(len(real)))
+        try:
+            model(input_ids=input_ids[i:i + batch], use_cache=False)
+        except _Stop:
+            pass
+        records.append(record)
+    model.model.layers = nn.ModuleList(real)
+
+    out: list[dict] = [{} for _ in groups]
+    keep = {gi: [] for gi in range(len(groups))}
+    hidden = [r[0][0] for r in records]  # the hidden state entering block 0, per batch
+    for j in range(last + 1):
+        for gi, g in enumerate(groups):
+            if g.input_layer == j:
+                out[gi]["inputs"] = torch.cat(hidden)
+        prefix = f"{LAYERS_PREFIX}{j}."
+        block = real[j]
+        names = [n for n in ckpt.where if n.startswith(prefix)]
+        _load_into(block, {n[len(prefix):]: t for n, t in ckpt.read(names, dtype).items()}, f"block {j}")
+        block.eval()
+        for b, record in enumerate(records):
+            _, args, kwargs = record[j]
+            h = block(hidden[b], *args, **kwargs)
+            hidden[b] = h[0] if isinstance(h, tuple) else h
+        block.to("meta")  # its weights go; the next block's come
+        for gi, g in enumerate(groups):
+            if g.target_layer == j:
+                keep[gi] = torch.cat(hidden)
+    norm = final_norm(model)
+    for gi, g in enumerate(groups):
+        out[gi]["targets"] = norm(keep[gi]) if g.final_norm else keep[gi]
+    return out
