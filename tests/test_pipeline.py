@@ -37,7 +37,7 @@ def test_run_end_to_end(assets, tmp_path):
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 6)
     assert (out / "report.md").read_text().count("perplexity") >= 1
     assert (out / "plots" / "training.png").stat().st_size > 1000
-    assert set(saved["recovered_ppl_domains"]) == {"ptb", "lambada"}  # unseen domains, by default
+    assert set(saved["recovered_ppl_domains"]) == {"lambada", "sciq"}  # unseen domains, by default
     assert "| lambada |" in (out / "report.md").read_text()
     assert RunConfig.load(out / "config.yaml").to_dict() == tiny_cfg(assets, out).to_dict()
     assert len((out / "train_log.jsonl").read_text().splitlines()) == 8
