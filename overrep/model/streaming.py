@@ -118,6 +118,19 @@ def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -
     module.load_state_dict(tensors, strict=False, assign=True)
 
 
+def _give_freed_memory_back() -> None:
+    """Pin glibc's mmap threshold at 128 KiB. Otherwise it grows after the first large frees,
+    and each dropped block's weights stay in the process's heap instead of going back to the
+    system: measured on the embedded model, a peak of 1,113 MB instead of 532. Linux/glibc
+    only; elsewhere nothing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 @torch.no_grad()
 def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[RecoveryGroup], *,
                     dtype: torch.dtype = torch.float32, batch: int = 8) -> list[dict]:
@@ -126,6 +139,7 @@ def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[Re
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    _give_freed_memory_back()
     folder = Path(folder)
     ckpt = _Checkpoint(folder)
     config = AutoConfig.from_pretrained(folder)
