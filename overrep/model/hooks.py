@@ -20,8 +20,12 @@ if TYPE_CHECKING:
     from .wrap import RecoveryModule
 
 
-class _Stop(Exception):
-    pass
+class StopForward(Exception):
+    """Raised by a hook once it has what it needs: the rest of the forward pass is skipped."""
+
+
+#: keyword arguments of a decoder block that are not part of its context (cache bookkeeping)
+NOT_CONTEXT = frozenset({"past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions"})
 
 
 @torch.no_grad()
@@ -33,20 +37,19 @@ def capture_layer_context(model: nn.Module, seq_len: int) -> list[dict]:
     """
     layers = decoder_layers(model)
     context: list[dict] = [{} for _ in layers]
-    drop = {"past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions"}
 
     def hook(i):
         def fn(module, args, kwargs):
-            context[i] = {k: v for k, v in kwargs.items() if k not in drop and k != "hidden_states"}
+            context[i] = {k: v for k, v in kwargs.items() if k not in NOT_CONTEXT and k != "hidden_states"}
             if i == len(layers) - 1:
-                raise _Stop
+                raise StopForward
         return fn
 
     device = next(model.parameters()).device
     handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         model(input_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device), use_cache=False)
-    except _Stop:
+    except StopForward:
         pass
     finally:
         for h in handles:
@@ -84,14 +87,14 @@ def teacher_features(model: nn.Module, input_ids: torch.Tensor, groups: list[Rec
                 if g.target_layer == i and not g.final_norm:
                     out[gi]["targets"] = h.detach().clone()
             if i == last_needed and not need_norm:
-                raise _Stop
+                raise StopForward
         return fn
 
     def norm_hook(module, args, output):
         for gi, g in enumerate(groups):
             if g.final_norm:
                 out[gi]["targets"] = output.detach().clone()
-        raise _Stop
+        raise StopForward
 
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
@@ -100,7 +103,7 @@ def teacher_features(model: nn.Module, input_ids: torch.Tensor, groups: list[Rec
         handles.append(norm.register_forward_hook(norm_hook))
     try:
         model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
-    except _Stop:
+    except StopForward:
         pass
     finally:
         for h in handles:

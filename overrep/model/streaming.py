@@ -29,13 +29,10 @@ from torch import nn
 
 from ..errors import OverRepError
 from .arch import decoder_layers, final_norm
+from .hooks import NOT_CONTEXT, StopForward
 from .surgery import RecoveryGroup
 
 LAYERS_PREFIX = "model.layers."
-
-
-class _Stop(Exception):
-    pass
 
 
 class _Recorder(nn.Module):
@@ -46,11 +43,10 @@ class _Recorder(nn.Module):
         self.i, self.record, self.last = i, record, last
 
     def forward(self, hidden_states, *args, **kwargs):
-        drop = {"past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions"}
         self.record.append((hidden_states if self.i == 0 else None,
-                            args, {k: v for k, v in kwargs.items() if k not in drop}))
+                            args, {k: v for k, v in kwargs.items() if k not in NOT_CONTEXT}))
         if self.i == self.last:
-            raise _Stop
+            raise StopForward
         return hidden_states
 
 
@@ -163,7 +159,7 @@ def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[Re
         model.model.layers = nn.ModuleList(_Recorder(j, record, last) for j in range(len(real)))
         try:
             model(input_ids=input_ids[i:i + batch], use_cache=False)
-        except _Stop:
+        except StopForward:
             pass
         records.append(record)
     model.model.layers = nn.ModuleList(real)
