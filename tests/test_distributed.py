@@ -2,13 +2,17 @@
 
 * two ranks, each on half of every batch, end at the weights of one process with the same
   effective batch; a rank killed with SIGKILL and the run resumed still ends there;
+* the same with the recovery modules sharded by torch FSDP2 (``recovery.shard: fsdp``), whose
+  full-tensor checkpoints one process resumes too;
 * a feature cache built by two ranks equals one built by one rank, tensor for tensor.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +23,8 @@ from safetensors.torch import load_file
 
 from overrep.app.pipeline import Pipeline
 from overrep.distributed import SINGLE, World, world_from_env
+from overrep.errors import OverRepError
+from overrep.recovery import sharding
 
 from tiny import tiny_cfg
 
@@ -76,6 +82,42 @@ def test_a_rank_killed_mid_run_resumes_to_the_same_weights(one_process):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr
     assert_same_weights(weights(root / "one"), weights(root / "killed"))
+
+
+def test_fsdp_on_two_ranks_ends_at_the_weights_of_one_process(one_process):
+    """recovery.shard: fsdp -- W, D and the blocks sharded by torch FSDP2 over two gloo ranks."""
+    root, cfg = one_process
+    cfg = copy.deepcopy(cfg)
+    cfg.output, cfg.recovery.shard = str(root / "fsdp"), "fsdp"
+    cfg.save(root / "fsdp.yaml")
+    done = torchrun(["run", "--config", str(root / "fsdp.yaml"), "--quiet"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_weights(weights(root / "one"), weights(root / "fsdp"))
+    m = json.loads((root / "fsdp" / "metrics.json").read_text())
+    log = [json.loads(x) for x in (root / "fsdp" / "train_log.jsonl").read_text().splitlines()]
+    assert m["train_steps"] == len(log) == 12 and m["merge_max_rel_diff"] <= 1e-5
+    one = [json.loads(x) for x in (root / "one" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "val_ppl" in r] == [r["step"] for r in one if "val_ppl" in r]
+
+
+def test_a_sharded_run_killed_mid_run_resumes_sharded_or_unsharded(one_process):
+    """Sharded checkpoints hold full tensors: two FSDP ranks resume one, and so does one process
+    (which trains unsharded); both end at the weights of one process."""
+    root, cfg = one_process
+    cfg = copy.deepcopy(cfg)
+    cfg.output, cfg.recovery.shard = str(root / "fsdp-killed"), "fsdp"
+    cfg.save(root / "fsdp-killed.yaml")
+    died = torchrun(["run", "--config", str(root / "fsdp-killed.yaml"), "--quiet"], env={"OVERREP_TEST_KILL": "1:7"})
+    assert died.returncode != 0 and not (root / "fsdp-killed" / "metrics.json").exists()
+    assert sorted((root / "fsdp-killed" / "checkpoints").glob("step-*.pt"))[-1].name == "step-000006.pt"
+    shutil.copytree(root / "fsdp-killed", root / "fsdp-killed-single")
+    done = torchrun(["run", "--config", str(root / "fsdp-killed.yaml"), "--resume", "--quiet"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr
+    assert_same_weights(weights(root / "one"), weights(root / "fsdp-killed"))
+    cfg.output = str(root / "fsdp-killed-single")  # one process: recovery.shard fsdp has nothing to shard over
+    Pipeline(cfg, resume=True, progress=False, world=SINGLE).run()
+    assert_same_weights(weights(root / "one"), weights(root / "fsdp-killed-single"))
 
 
 def test_a_budgeted_run_on_two_ranks_agrees_on_its_steps(one_process):
@@ -142,6 +184,16 @@ def test_a_cache_built_by_two_ranks_equals_one_built_by_one(tmp_path):
     manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert {e["shard"] % 2 for e in manifest["shards"] if e["rank"] == 1} == {1}
     assert {e["rank"] for e in manifest["shards"]} == {0, 1}
+
+
+def test_the_config_checks_recovery_shard(assets, tmp_path):
+    with pytest.raises(OverRepError, match="recovery.shard must be one of none, fsdp"):
+        tiny_cfg(assets, tmp_path / "bad", recovery__shard="zero3")
+    with pytest.raises(OverRepError, match="'lora' trains the whole model"):
+        tiny_cfg(assets, tmp_path / "lora", recovery__shard="fsdp", recovery__method="lora")
+    plain = torch.ones(3)  # unsharded tensors pass through the sharding helpers unchanged
+    assert sharding.like(plain, plain) is plain and sharding.plain(plain) is plain
+    assert not sharding.is_sharded([plain]) and torch.equal(sharding.full(plain), plain)
 
 
 def test_world_shares_a_batch_in_equal_contiguous_parts():

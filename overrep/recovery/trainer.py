@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import save_torch, write_text
+from . import sharding
 from .budget import Deadline, StepCosts
 from .sampler import epoch_batches
 from ..distributed import SINGLE, World
@@ -63,7 +64,7 @@ def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float) -> f
 def trainable_state(objective: Objective) -> dict:
     """Only what training changes: trainable tensors (in the objective's fixed order),
     the annealed activations' state and the objective's own state."""
-    return {"tensors": [p.detach().clone() for p in objective.parameters()],
+    return {"tensors": [sharding.full(p) for p in objective.parameters()],
             "activations": [a.get_extra_state() for a in objective.activations],
             "extra": objective.extra_state()}
 
@@ -75,7 +76,7 @@ def load_trainable_state(objective: Objective, state: dict) -> None:
         raise OverRepError("checkpoint tensors do not fit this run's trainable parameters")
     with torch.no_grad():
         for p, t in zip(params, tensors):
-            p.copy_(t)
+            p.copy_(sharding.like(t, p))
     for a, s in zip(objective.activations, state.get("activations", [])):
         a.set_extra_state(s)
     objective.load_extra_state(state.get("extra", {}))
@@ -111,6 +112,8 @@ class Trainer:
                                "sequences; lower the batch or add data")
         self.steps_per_epoch = num_samples // self.per_step
         self.opt = make_optimizer(objective, cfg)
+        # FSDP (recovery.shard): it reduces the gradients, and every rank joins gathers and validation
+        self.sharded = sharding.is_sharded(objective.parameters())
         self.step = 0
         self.history: list[dict] = []
         self.seconds = 0.0
@@ -160,10 +163,13 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         path = self._ckpt_path(self.step)
-        if not self.world.is_main:  # one writer; every rank reads it back on resume
+        if not (self.world.is_main or self.sharded):  # one writer; every rank reads it back on resume
+            return path
+        trainable, optimizer = trainable_state(self.objective), sharding.optimizer_state(self.opt)
+        if not self.world.is_main:  # it took part in gathering the shards
             return path
         state = {"step": self.step, "total_steps": self.total, "fingerprint": self.fingerprint,
-                 "trainable": trainable_state(self.objective), "optimizer": self.opt.state_dict(),
+                 "trainable": trainable, "optimizer": optimizer,
                  "history": self.history, "seconds": self.seconds, "rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         save_torch(path, state, "checkpoint")
@@ -185,7 +191,7 @@ class Trainer:
             raise OverRepError(f"checkpoint {path} belongs to a different configuration; start a new output "
                                "folder or pass --overwrite")
         load_trainable_state(self.objective, state["trainable"])
-        self.opt.load_state_dict(state["optimizer"])
+        sharding.load_optimizer_state(self.opt, state["optimizer"])
         self.step, self.history, self.seconds = state["step"], state["history"], state["seconds"]
         if state.get("rng") is not None:  # dropout (LoRA) draws from it: resume draws the same masks
             torch.set_rng_state(state["rng"])
@@ -211,11 +217,13 @@ class Trainer:
             total += loss.item()
         params = [p for g in self.opt.param_groups for p in g["params"]]
         # several ranks: each had its share of the batch; the mean of their means is the batch's
-        [total] = self.world.average([p.grad for p in params if p.grad is not None], [total])
+        grads = [] if self.sharded else [p.grad for p in params if p.grad is not None]  # FSDP reduced them
+        [total] = self.world.average(grads, [total])
         if not math.isfinite(total):  # the same verdict on every rank: they stop together
             raise OverRepError(f"loss became {total} at step {self.step}; last good checkpoint: "
                                f"{self.latest_checkpoint() or 'none'} (lower recovery.lr, or check the data)")
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        gnorm = sharding.plain(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0
+                                                              else float("inf")))
         if not torch.isfinite(gnorm):
             raise OverRepError(f"gradient norm became {gnorm.item()} at step {self.step}; last good "
                                f"checkpoint: {self.latest_checkpoint() or 'none'} (lower recovery.lr)")
@@ -279,7 +287,8 @@ class Trainer:
                     bar.total = self.total
                 rec = {"step": self.step, "loss": total, "lr": self.opt.param_groups[0]["lr"],
                        "alpha": self.alpha, "grad_norm": float(gnorm)}
-                if self.world.is_main and (self.step % cfg.eval_every == 0 or self.step == self.total):
+                if (self.world.is_main or self.sharded) and (self.step % cfg.eval_every == 0
+                                                             or self.step == self.total):
                     rec["val_loss"] = obj.validation_loss()
                     rec["val_ppl"] = obj.validation_ppl()
                     self.last_val_ppl = rec["val_ppl"]
