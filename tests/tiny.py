@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, BambaConfig, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                          NemotronHConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -29,9 +29,21 @@ def tiny_config(arch: str):
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**{**COMMON, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
                                  "moe_intermediate_size": 16, "decoder_sparse_step": 2, "mlp_only_layers": [0]})
+    if arch == "nemotron_h":  # hybrid: one part per block, M = Mamba-2, * = attention, - = MLP
+        return NemotronHConfig(**{**COMMON, "head_dim": 8, "hybrid_override_pattern": HYBRID_PATTERN,
+                                  "mamba_num_heads": 4, "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 8,
+                                  "conv_kernel": 4, "chunk_size": 8, "bos_token_id": None, "eos_token_id": 1,
+                                  "pad_token_id": 0})
+    if arch == "bamba":  # hybrid: Mamba-2 or attention, plus a gated MLP, in every block
+        return BambaConfig(**{**COMMON, "attn_layer_indices": [1, 4], "mamba_n_heads": 4, "mamba_d_head": 8,
+                              "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_chunk_size": 8,
+                              "mamba_expand": 1})
     raise ValueError(arch)
 
 
+HYBRID_PATTERN = "M*-M-*"
+#: hybrids are tested in test_hybrid.py (their blocks lack parts the ARCHS tests look at)
+HYBRIDS = ["nemotron_h", "bamba"]
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe"]
 
 

@@ -9,9 +9,10 @@ One token through one block costs, in multiply-adds (MACs):
 * fused experts: ``top_k`` experts per token, each ``3 * I * H`` (gate, up, down), plus
   ``d^2`` per ``D`` of an :class:`~overrep.core.experts.OvercompleteExperts`;
 * any other 2-D ``weight`` (a router ``[E, H]``): its size;
-* attention scores: ``T * heads * head_dim`` for a ``T``-token causal sequence (``QK^T``
-  and ``AV``, each over ``T/2`` keys on average; the convention of Kaplan et al. 2020,
-  "Scaling Laws for Neural Language Models", Table 1).
+* attention scores, in blocks with attention: ``T * heads * head_dim`` for a ``T``-token
+  causal sequence (``QK^T`` and ``AV``, each over ``T/2`` keys on average; the convention
+  of Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Table 1). A hybrid's
+  Mamba-2 scan is left out with the norms (its projections are counted).
 
 Norms, activations, rotary embeddings and the residual sums are left out (a few MACs per
 hidden unit, well under 1%). A forward pass costs ``2 x MACs`` FLOPs.
@@ -55,11 +56,17 @@ def attention_dim(config) -> int:
     return heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
+def _has_attention(layer: nn.Module) -> bool:
+    # a hybrid's Mamba or MLP block has no attention scores (its scan is left out, like norms)
+    return any(hasattr(m, "q_proj") for m in layer.modules())
+
+
 def block_macs(layer: nn.Module, config, seq_len: int) -> int:
     """MACs per token of one decoder block (as it is: plain, or wrapped for training)
     in a causal sequence of ``seq_len`` tokens."""
     top_k = getattr(config, "num_experts_per_tok", None) or 1
-    return _module_macs(layer, top_k) + seq_len * attention_dim(config)
+    scores = seq_len * attention_dim(config) if _has_attention(layer) else 0
+    return _module_macs(layer, top_k) + scores
 
 
 def blocks_macs(layers, config, seq_len: int) -> int:

@@ -36,10 +36,16 @@ LAYERS_PREFIX = "model.layers."
 
 
 class _Recorder(nn.Module):
-    """Stands in for block ``i`` during the recording pass: keeps what it receives."""
+    """Stands in for block ``i`` during the recording pass: keeps what it receives.
 
-    def __init__(self, i: int, record: list, last: int):
+    It carries the real block's plain attributes (``layer_idx``, a hybrid's ``block_type``):
+    some models' forward reads them off each block to pick its mask or cache."""
+
+    def __init__(self, i: int, record: list, last: int, like: nn.Module | None = None):
         super().__init__()
+        for k, v in (vars(like) if like is not None else {}).items():
+            if not k.startswith("_") and k != "training" and isinstance(v, (str, int, float, bool)):
+                setattr(self, k, v)
         self.i, self.record, self.last = i, record, last
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -51,9 +57,13 @@ class _Recorder(nn.Module):
 
 
 class _Checkpoint:
-    """Tensor name -> safetensors file of a local Hugging Face folder, opened lazily."""
+    """Tensor name -> safetensors file of a local Hugging Face folder, opened lazily.
 
-    def __init__(self, folder: Path):
+    Names are the model's: a family that stores its tensors under other names (Nemotron-H
+    saves ``backbone.*`` for ``model.*``) is read through transformers' own renaming rules
+    for its ``model_type``, so ``where`` and :meth:`read` speak the model's names."""
+
+    def __init__(self, folder: Path, model_type: str | None = None):
         index = folder / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -66,6 +76,12 @@ class _Checkpoint:
                 self.where = {k: file for k in f.keys()}
         else:
             raise OverRepError(f"the streaming teacher reads safetensors files; {folder} has none")
+        self.stored = {k: k for k in self.where}
+
+    def rename(self, model_type: str | None) -> None:
+        rules = _renamings(model_type)
+        self.stored = {_model_key(k, rules): k for k in self.where}
+        self.where = {k: self.where[stored] for k, stored in self.stored.items()}
 
     def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
@@ -76,8 +92,25 @@ class _Checkpoint:
         for file, keys in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for k in keys:
-                    out[k] = f.get_tensor(k).to(dtype)
+                    out[k] = f.get_tensor(self.stored[k]).to(dtype)
         return out
+
+
+def _renamings(model_type: str | None) -> list:
+    """transformers' rules renaming ``model_type``'s stored tensor names to the model's."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return []
+    rules = (get_checkpoint_conversion_mapping(model_type) if model_type else None) or []
+    return [r for r in rules if isinstance(r, WeightRenaming)]
+
+
+def _model_key(stored: str, rules: list) -> str:
+    for rule in rules:
+        stored = rule.rename_source_key(stored)[0]
+    return stored
 
 
 def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -139,6 +172,7 @@ def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[Re
     folder = Path(folder)
     ckpt = _Checkpoint(folder)
     config = AutoConfig.from_pretrained(folder)
+    ckpt.rename(config.model_type)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     model.eval()
@@ -156,7 +190,7 @@ def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[Re
     records: list[list] = []
     for i in range(0, input_ids.shape[0], batch):
         record: list = []
-        model.model.layers = nn.ModuleList(_Recorder(j, record, last) for j in range(len(real)))
+        model.model.layers = nn.ModuleList(_Recorder(j, record, last, real[j]) for j in range(len(real)))
         try:
             model(input_ids=input_ids[i:i + batch], use_cache=False)
         except StopForward:

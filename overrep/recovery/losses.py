@@ -42,7 +42,7 @@ from torch import nn
 from ..atomic import save_torch
 from ..errors import OverRepError
 from ..core.precision import autocast
-from ..model.arch import decoder_layers, final_norm
+from ..model.arch import decoder_layers, final_norm, input_norm
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def downstream_gain(dense: nn.Module, group) -> torch.Tensor:
     hidden = dense.config.hidden_size
     if group.final_norm or group.target_layer + 1 >= len(layers):
         return norm_gain(final_norm(dense), hidden)
-    return norm_gain(layers[group.target_layer + 1].input_layernorm, hidden)
+    return norm_gain(input_norm(layers[group.target_layer + 1]), hidden)
 
 
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
