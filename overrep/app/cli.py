@@ -34,6 +34,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ratio", type=float, help="fraction of parameters to remove (rounded to whole blocks)")
     g.add_argument("--remove", help="explicit blocks to remove, e.g. 21-28 or 3,5,7-9")
     p.add_argument("--method", help="recovery method (see `overrep methods`; default overrep)")
+    p.add_argument("--prune", choices=("blocks", "width"),
+                   help="what a ratio removes: whole decoder blocks (default) or width (attention heads and MLP "
+                        "channels of every block)")
     p.add_argument("--criterion", help="pruning criterion: last | block-influence | cosine | laco")
     from ..recovery.losses import LOSSES
 
@@ -59,7 +62,7 @@ def _config(args):
         raise OverRepError("--max-steps and --time-budget both fix the step count; give one")
     for flag, key in (("model", "model.source"), ("preset", "recovery.preset"), ("output", "output"),
                       ("max_steps", "recovery.steps"), ("time_budget", "recovery.time_budget"), ("method", "recovery.method"), ("loss", "recovery.loss"),
-                      ("criterion", "prune.criterion")):
+                      ("criterion", "prune.criterion"), ("prune", "prune.granularity")):
         if getattr(args, flag, None) is not None:
             if key in given:
                 raise OverRepError(f"--{flag.replace('_', '-')} and --set {key}=... both set {key}; give one")
@@ -98,6 +101,16 @@ def cmd_inspect(args) -> int:
     p = Pipeline(cfg, progress=not args.quiet)
     p.load(create_output=False)
     r = cfg.recovery
+    if p.width:  # the account is the real wrapped model's (no config-only path for width plans yet)
+        p.prune()
+        p.build_recovery(with_data=False)
+        m = p.metrics
+        print(json.dumps({"model": p.model_info["source"], "method": p.method.name, "granularity": "width",
+                          "criterion": cfg.prune.width_criterion, "widths": m["widths"],
+                          "dense_params": m["dense_params"], "compact_params": m["pruned_params"],
+                          "param_fraction_removed_head_counted": m["param_fraction_removed_head_counted"],
+                          "trainable_params": p.recovery.trainable_params, "total_steps": p.total_steps}, indent=2))
+        return 0
     preset = p.method.preset or r.preset
     acc = recovery_account(p.dense.config, p.selection.removed, preset, blocks=p.method.blocks or r.blocks,
                            block1_init=r.block1_init)
@@ -254,6 +267,13 @@ def cmd_plan(args) -> int:
 
     logging.getLogger("overrep.model.surgery").setLevel(logging.WARNING)  # one line per preset otherwise
     config, source = load_config(args.model)
+    if args.prune == "width":
+        from ..pruning.width import width_account
+
+        if args.remove:
+            raise OverRepError("--remove names blocks; width pruning takes --ratio")
+        print(json.dumps({"source": source, **width_account(config, args.ratio or 0.25)}, indent=2))
+        return 0
     fields = ("ratio", "remove", "preset", "blocks", "gpus", "gpu_mem", "disk", "sequences", "seq_len", "batch",
               "epochs", "cache_dtype", "dtype", "precision")
     plan = make_plan(config, PlanOptions(**{k: getattr(args, k) for k in fields if getattr(args, k) is not None}),
@@ -270,6 +290,8 @@ def _plan_parser(sub) -> None:
     g.add_argument("--ratio", type=float, help="fraction of parameters to remove (default 0.25; criterion 'last')")
     g.add_argument("--remove", help="explicit blocks to remove, e.g. 21-28")
     p.add_argument("--preset", help="built-in preset the layout is planned for (default hybrid)")
+    p.add_argument("--prune", choices=("blocks", "width"), default="blocks",
+                   help="width: the widths, parameters and the width preset's training state for --ratio")
     for flag, kind, text in (("blocks", int, "recovery blocks per removed run (default 2)"),
                              ("gpus", int, "GPUs (default 1)"), ("gpu-mem", str, "memory of one GPU (default 80GB)"),
                              ("disk", str, "disk the feature cache may take (default 2TB)"),

@@ -32,6 +32,9 @@ class PruneConfig:
     remove: str | None = None  # explicit block indices instead of a ratio, e.g. "21-28" or "3,5,7-9"
     criterion: str = "cosine"  # which blocks a ratio removes: a name in overrep.pruning.registry (`overrep methods` lists them)
     calibration_sequences: int = 32  # training sequences the data-driven criteria score blocks on
+    granularity: str = "blocks"  # "blocks": remove whole decoder blocks | "width": narrow every block's attention heads and MLP channels (prune.ratio, width_criterion)
+    width_criterion: str = "taylor"  # width: which heads/channels go, "taylor" (LLM-Pruner's first-order importance) | "magnitude"
+    width_heads: bool = True  # width: prune attention heads as well as MLP channels (False: MLP channels only)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class RecoveryConfig:
     eval_every: int = 50  # steps between validation-loss measurements
     threads: int | None = None  # torch CPU threads (None = torch's default)
     precision: str = "bf16"  # layer-wise methods: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32"; see docs/speed.md
+    shard: str = "none"  # several ranks (torchrun), layer-wise methods: "none" (every rank holds the recovery modules, gradients all-reduced) | "fsdp" (W, D and the recovery blocks sharded over the ranks by torch FSDP2; README "Scaling")
 
 
 @dataclass
@@ -190,7 +194,11 @@ class RunConfig:
         from ..pruning.registry import CRITERIA
         from ..model.presets import get_preset
 
-        if p.remove is None and p.criterion not in CRITERIA:
+        if p.granularity not in ("blocks", "width"):
+            raise OverRepError(f"prune.granularity must be 'blocks' or 'width', got '{p.granularity}'")
+        if p.granularity == "width":
+            self._resolve_width()
+        elif p.remove is None and p.criterion not in CRITERIA:
             raise OverRepError(f"unknown prune.criterion '{p.criterion}'; available: {', '.join(CRITERIA)}")
         get_preset(METHODS[r.method].preset or r.preset)  # a bad name or preset file fails here, not mid-run
         from ..recovery.losses import parse_loss
@@ -215,9 +223,47 @@ class RunConfig:
         from ..core.precision import check_precision
 
         check_precision(r.precision)
+        from ..recovery.sharding import check_shard
+
+        if check_shard(r.shard) == "fsdp" and METHODS[r.method].family != "layerwise":
+            raise OverRepError(f"recovery.shard: fsdp shards layer-wise recovery modules; '{r.method}' trains the "
+                               "whole model (use recovery.shard: none)")
         for name, v in (("model.dtype", self.model.dtype), ("cache.dtype", c.dtype)):
             if v not in ("float32", "bfloat16"):
                 raise OverRepError(f"{name} must be float32 or bfloat16, got '{v}'")
+
+    def _resolve_width(self) -> None:
+        """Width pruning's constraints, and its defaults where block pruning's do not apply:
+        the preset ``width`` for ``hybrid``, teacher features recomputed every step
+        (``cache.mode: live``; a disk cache would hold two hidden states per block), and
+        fp32 training (bf16 autocast measured ~15x slower per block on this CPU for the
+        full-width P + W and the rectangular D)."""
+        from ..pruning.width import WIDTH_CRITERIA
+        from ..recovery.methods import METHODS
+
+        p, r = self.prune, self.recovery
+        if p.remove is not None:
+            raise OverRepError("prune.remove names blocks to remove; width pruning takes prune.ratio")
+        if p.width_criterion not in WIDTH_CRITERIA:
+            raise OverRepError(f"unknown prune.width_criterion '{p.width_criterion}'; available: "
+                               f"{', '.join(WIDTH_CRITERIA)}")
+        if r.method in ("streamline", "lora-iso"):
+            raise OverRepError(f"recovery.method '{r.method}' is defined for block removal only; width pruning "
+                               f"supports {', '.join(m for m in METHODS if m not in ('streamline', 'lora-iso'))}")
+        if r.preset == "hybrid":
+            r.preset = "width"
+        from ..model.presets import get_preset
+        from ..model.width import PRUNED_SIDE
+
+        preset = get_preset(METHODS[r.method].preset or r.preset)
+        for b in preset.blocks if preset.uses_d else ():
+            bad = [k for k in PRUNED_SIDE if k not in b.d or preset.d_side[k] != PRUNED_SIDE[k]]
+            if bad:
+                raise OverRepError(f"preset '{preset.name}' cannot recover a width-pruned model: '{bad[0]}' needs D "
+                                   f"on its {PRUNED_SIDE[bad[0]]} side (use the preset 'width')")
+        self.cache.mode = "live"
+        if r.precision == "bf16":  # full-width P + W under bf16 autocast: ~15x slower a block than fp32 on a CPU
+            r.precision = "fp32"
 
     def total_steps(self) -> int:
         r = self.recovery

@@ -35,13 +35,14 @@ from ..model.accounting import blocks_for_ratio, counted_parameters
 from ..model.arch import check_supported, decoder_layers
 from ..model.loading import load_model
 from ..model.runtime import digest, model_fingerprint, peak_memory_bytes, resolve_device
-from ..model.surgery import parse_layers, plan_pruning, prune
+from ..model.surgery import can_stitch, parse_layers, plan_pruning, prune
 from ..model.wrap import count_parameters
 from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION
 from ..recovery.budget import Deadline, parse_duration
 from ..recovery.methods import build_recovery, get_method
 from ..recovery.teacher import MethodInputs, Teacher
+from ..recovery.sharding import gather, shard_objective
 from ..recovery.trainer import Trainer
 from ..paths import cache_root
 from ..distributed import World, world_from_env
@@ -130,12 +131,17 @@ class Pipeline(BudgetStages):
                                              training_source=d.source, seq_len=d.seq_len,
                                              rows=cfg.eval.domain_sequences, seed=d.seed)
         self.timings["data"] = time.perf_counter() - t0
-        self.select_blocks()
-        self.plan = plan_pruning(self.num_layers, self.selection.removed, blocks=self.method.blocks or r.blocks,
-                                 block1_init=r.block1_init)
-        for g in self.plan.groups:  # a block a criterion already rewrote (LaCo) keeps its weights
-            for target in [t for t in g.stitch if t in self.selection.replaced]:
-                del g.stitch[target]
+        if self.width:
+            self.select_widths()
+        else:
+            self.select_blocks()
+            self.plan = plan_pruning(self.num_layers, self.selection.removed,
+                                     blocks=self.method.blocks or r.blocks, block1_init=r.block1_init)
+        layers = decoder_layers(self.dense)
+        for g in self.plan.groups:  # a block a criterion already rewrote (LaCo) keeps its weights,
+            for target, source in list(g.stitch.items()):  # and a hybrid's one-part block its own
+                if target in self.selection.replaced or not can_stitch(layers, target, source):
+                    del g.stitch[target]
         self.rcfg = dataclasses.replace(r, lr=r.lr if r.lr is not None else self.method.default_lr)
         self.total_steps = cfg.total_steps()
         self.teacher = self.make_teacher()
@@ -167,18 +173,41 @@ class Pipeline(BudgetStages):
                                                   model_fp=self.model_fp, root=self.cache_root)
         self.timings["criterion"] = time.perf_counter() - t0
 
+    @property
+    def width(self) -> bool:
+        return self.cfg.prune.granularity == "width"
+
+    def select_widths(self) -> None:
+        """Width pruning: the heads and MLP channels every block keeps (``prune.width_criterion``)."""
+        from ..pruning.selection import Selection
+        from ..pruning.width import plan_width
+
+        p = self.cfg.prune
+        t0 = time.perf_counter()
+        calibration = self.train_ids[:p.calibration_sequences].to(self.device)
+        self.plan, _ = plan_width(self.dense, p.ratio, p.width_criterion, calibration, heads=p.width_heads)
+        self.selection = Selection([], scores={"widths": self.plan.widths()})
+        self.timings["criterion"] = time.perf_counter() - t0
+
     # ---- stage 2: prune, baseline evaluation ---------------------------------------
     def prune(self) -> None:
         model = copy.deepcopy(self.dense)
-        layers = decoder_layers(model)
-        for index, state in self.selection.replaced.items():  # e.g. LaCo's collapsed blocks
-            layers[index].load_state_dict(state)
-        self.pruned = prune(model, self.plan)
+        if self.width:
+            from ..model.width import slice_width
+
+            self.pruned = slice_width(model, self.plan)
+        else:
+            layers = decoder_layers(model)
+            for index, state in self.selection.replaced.items():  # e.g. LaCo's collapsed blocks
+                layers[index].load_state_dict(state)
+            self.pruned = prune(model, self.plan)
         dense_params, compact_params = count_parameters(self.dense), count_parameters(self.pruned)
         counted, _ = counted_parameters(self.dense)
+        p = self.cfg.prune
         self.metrics.update({
-            "removed_layers": self.plan.removed,
-            "criterion": self.cfg.prune.criterion if self.cfg.prune.remove is None else "explicit",
+            "granularity": p.granularity,
+            "removed_layers": list(self.plan.removed),
+            "criterion": (p.width_criterion if self.width else p.criterion) if p.remove is None else "explicit",
             "criterion_scores": self.selection.scores,
             "num_layers_before": self.num_layers,
             "num_layers_after": self.num_layers - len(self.plan.removed),
@@ -189,6 +218,9 @@ class Pipeline(BudgetStages):
             "pruned_params": compact_params,
             "recovery_modules": [g.to_dict() for g in self.plan.groups],
         })
+        if self.width:
+            self.metrics["widths"] = {"before": {k: getattr(self.dense.config, k, None) for k in self.plan.widths()},
+                                      "after": self.plan.widths()}
 
     def evaluate_model(self, model, tag: str) -> None:
         if not self.world.is_main:
@@ -278,8 +310,11 @@ class Pipeline(BudgetStages):
     # ---- stage 4: training ---------------------------------------------------------
     def make_trainer(self) -> Trainer:
         cfg = self.cfg
-        fingerprint = digest({"cfg": {k: v for k, v in cfg.to_dict().items() if k != "output"},
-                               "model": self.model_fp})
+        run = {k: v for k, v in cfg.to_dict().items() if k != "output"}
+        run["recovery"].pop("shard")  # sharded or not, the same checkpoints
+        fingerprint = digest({"cfg": run, "model": self.model_fp})
+        if self.rcfg.shard == "fsdp":  # before the optimiser: it steps the shards
+            shard_objective(self.recovery.objective, self.world)
         self.trainer = Trainer(self.recovery.objective, self.train_ids.shape[0], self.rcfg, self.total_steps,
                                self.out / "checkpoints", tokens_per_sample=cfg.data.seq_len,
                                fingerprint=fingerprint, progress=self.progress, world=self.world)
@@ -297,6 +332,7 @@ class Pipeline(BudgetStages):
             trainer.deadline = Deadline(self.recovery_started + parse_duration(r.time_budget), costs,
                                         r.eval_every, r.checkpoint_every)
         result = trainer.run()
+        gather(self.recovery.objective)  # recovery.shard: fsdp -- full plain blocks again, for the merge
         if "time_budget" in self.metrics:
             info = self.metrics["time_budget"]
             info["used_seconds"] = time.perf_counter() - self.recovery_started
@@ -323,7 +359,7 @@ class Pipeline(BudgetStages):
         provenance = {
             "overrep_version": __version__,
             "source_model": self.model_info,
-            "removed_layers": self.plan.removed,
+            "removed_layers": list(self.plan.removed),
             "plan": self.plan.to_dict(),
             "method": self.method.name,
             "recovery": self.recovery.describe(),
@@ -345,7 +381,7 @@ class Pipeline(BudgetStages):
     def export_pruned(self) -> Path:
         """The pruned model without recovery, as a loadable folder (a baseline)."""
         provenance = {"overrep_version": __version__, "source_model": self.model_info,
-                      "removed_layers": self.plan.removed, "plan": self.plan.to_dict(), "method": "none",
+                      "removed_layers": list(self.plan.removed), "plan": self.plan.to_dict(), "method": "none",
                       "config": self.cfg.to_dict()}
         return export_model(self.pruned, self.tokenizer, self.out / "pruned-model", provenance, overwrite=True)
 

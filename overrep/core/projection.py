@@ -72,18 +72,43 @@ def _low_precision(x: torch.Tensor) -> bool:
     return torch.is_autocast_enabled(x.device.type)
 
 
-def _apply_d(z: torch.Tensor, D: torch.Tensor, low: bool) -> torch.Tensor:
-    """``z D^T`` (D on the last axis of ``z``); ``z + z (D - I)^T`` under autocast."""
+def _fp32(fn, *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` on fp32 copies of ``tensors`` with autocast off. A rectangular D (width
+    pruning) is applied this way under bf16 autocast: its low-precision form measured
+    ~50x slower on a CPU's backward pass than fp32, and fp32 needs no rounding guard."""
+    with torch.autocast(tensors[0].device.type, enabled=False):
+        return fn(*(t.float() for t in tensors))
+
+
+def _apply_d(z: torch.Tensor, D: torch.Tensor, low: bool, rectangular: bool = False) -> torch.Tensor:
+    """``z D^T`` (D on the last axis of ``z``); under autocast ``z + z (D - I)^T`` with the
+    sum in fp32, or for a ``rectangular`` D the product in fp32."""
     if not low:
         return F.linear(z, D)
+    if rectangular:
+        return _fp32(F.linear, z, D)
     eye = torch.eye(D.shape[0], dtype=D.dtype, device=D.device)
     return z.float() + F.linear(z, D - eye).float()  # the sum in fp32: bf16 would round it back to z
 
 
-def folded_weight(w: torch.Tensor, D: torch.Tensor, side: Side, low: bool) -> torch.Tensor:
+def selection_matrix(keep: torch.Tensor, side: Side, shape, like: torch.Tensor) -> torch.Tensor:
+    """The partial identity ``D0`` of shape ``shape``: ``[len(keep), d_ref]`` with
+    ``D0[j, keep[j]] = 1`` on the output side, its transpose ``[d_ref, len(keep)]`` on the input side."""
+    d0 = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    cols = torch.arange(len(keep), device=like.device)
+    if side == "output":
+        d0[cols, keep.to(like.device)] = 1
+    else:
+        d0[keep.to(like.device), cols] = 1
+    return d0
+
+
+def folded_weight(w: torch.Tensor, D: torch.Tensor, side: Side, low: bool, rectangular: bool = False) -> torch.Tensor:
     """``P_hat`` = ``D w`` (output side) or ``w D`` (input side), differentiable."""
     if not low:
         return D @ w if side == "output" else w @ D
+    if rectangular:
+        return _fp32(torch.matmul, D, w) if side == "output" else _fp32(torch.matmul, w, D)
     eye = torch.eye(D.shape[0], dtype=D.dtype, device=D.device)
     corr = (D - eye) @ w if side == "output" else w @ (D - eye)
     return w + corr.float()  # the small correction in bf16, the sum in fp32
@@ -91,8 +116,10 @@ def folded_weight(w: torch.Tensor, D: torch.Tensor, side: Side, low: bool) -> to
 
 def overcomplete_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          W: torch.Tensor | None, D: torch.Tensor | None, side: Side,
-                         act: AnnealedActivation | None, fast: bool = True) -> torch.Tensor:
-    """One overcomplete projection: ``x`` ``[..., d_in]`` -> ``[..., d_out]``.
+                         act: AnnealedActivation | None, fast: bool = True,
+                         rectangular: bool = False) -> torch.Tensor:
+    """One overcomplete projection: ``x`` ``[..., d_in]`` -> ``[..., d_out]`` (``d_out`` or
+    ``d_in`` narrowed when D is ``rectangular``, width pruning).
 
     ``fast=False`` always applies the two factors (the reference form, for tests)."""
     w = weight if W is None else weight + W
@@ -101,13 +128,13 @@ def overcomplete_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     low = _low_precision(x)
     linear = act is None or act.is_identity
     if fast and linear and fold_pays(x, w, side):
-        p_hat = folded_weight(w, D, side, low)
-        b_hat = bias if bias is None or side == "input" else _apply_d(bias, D, low)
+        p_hat = folded_weight(w, D, side, low, rectangular)
+        b_hat = bias if bias is None or side == "input" else _apply_d(bias, D, low, rectangular)
         return F.linear(x, p_hat, b_hat)
     a = (lambda z: z) if act is None else act
     if side == "output":
-        return _apply_d(a(F.linear(x, w, bias)), D, low)
-    return F.linear(a(_apply_d(x, D, low)), w, bias)
+        return _apply_d(a(F.linear(x, w, bias)), D, low, rectangular)
+    return F.linear(a(_apply_d(x, D, low, rectangular)), w, bias)
 
 
 @torch.no_grad()
@@ -128,14 +155,24 @@ def fold(weight: torch.Tensor, bias: torch.Tensor | None, W: torch.Tensor | None
 
 
 class OvercompleteLinear(nn.Module):
-    """``nn.Linear`` re-parameterised as ``D · A_s((P + W) x)`` (or its input-side mirror)."""
+    """``nn.Linear`` re-parameterised as ``D · A_s((P + W) x)`` (or its input-side mirror).
+
+    ``keep`` (width pruning, paper appendix "OverRep in Channel-wise Pruning"): the channels
+    of D's side that survive. D is then rectangular, ``[len(keep), d_out]`` on the output
+    side or ``[d_in, len(keep)]`` on the input side, initialised as the partial identity
+    that selects them, so training starts exactly at the width-pruned projection, and the
+    fold yields the narrow ``nn.Linear``. P and W keep the pretrained shape.
+    """
 
     def __init__(self, base_layer: nn.Linear, *, use_w: bool, use_d: bool, side: Side = "output",
-                 train_base: bool = False, activation: AnnealedActivation | None = None):
+                 train_base: bool = False, activation: AnnealedActivation | None = None,
+                 keep: torch.Tensor | None = None):
         super().__init__()
         self.fast = True  # exact rewrites on (see the module docstring); False: reference form
         if side not in ("output", "input"):
             raise ValueError(f"side must be 'output' or 'input', got {side!r}")
+        if keep is not None and not use_d:
+            raise ValueError("a width-pruned projection (keep) needs its D")
         self.base_layer = base_layer
         self.side: Side = side
         self.activation = activation if use_d else None
@@ -144,15 +181,22 @@ class OvercompleteLinear(nn.Module):
             param.requires_grad_(train_base)
         self.W = nn.Parameter(torch.zeros_like(p)) if use_w else None
         d = p.shape[0] if side == "output" else p.shape[1]
-        self.D = nn.Parameter(init_d(d, p)) if use_d else None
+        if keep is None:
+            self.keep = None
+            self.D = nn.Parameter(init_d(d, p)) if use_d else None
+        else:
+            keep = torch.as_tensor(keep, dtype=torch.long, device=p.device)
+            self.register_buffer("keep", keep, persistent=False)  # a function of the plan, not state
+            shape = (len(keep), d) if side == "output" else (d, len(keep))
+            self.D = nn.Parameter(selection_matrix(keep, side, shape, p))
 
     @property
     def in_features(self) -> int:
-        return self.base_layer.in_features
+        return self.D.shape[1] if self.keep is not None and self.side == "input" else self.base_layer.in_features
 
     @property
     def out_features(self) -> int:
-        return self.base_layer.out_features
+        return self.D.shape[0] if self.keep is not None and self.side == "output" else self.base_layer.out_features
 
     @property
     def weight(self) -> torch.Tensor:
@@ -161,7 +205,7 @@ class OvercompleteLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return overcomplete_forward(x, self.base_layer.weight, self.base_layer.bias,
-                                    self.W, self.D, self.side, self.activation, self.fast)
+                                    self.W, self.D, self.side, self.activation, self.fast, self.keep is not None)
 
     def merge(self) -> nn.Linear:
         """The folded plain ``nn.Linear`` (same dtype and device as the base layer)."""
@@ -169,8 +213,7 @@ class OvercompleteLinear(nn.Module):
             self.activation.require_identity("an overcomplete projection")
         base = self.base_layer
         w, b = fold(base.weight, base.bias, self.W, self.D, self.side)
-        out = nn.Linear(base.in_features, base.out_features, bias=b is not None,
-                        device=w.device, dtype=w.dtype)
+        out = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
         with torch.no_grad():
             out.weight.copy_(w)
             if b is not None:
@@ -190,6 +233,12 @@ class ReparamNorm(nn.Module):
         base_layer.weight.requires_grad_(train_base)
         self.scale = nn.Parameter(torch.zeros_like(base_layer.weight))
         self.bias = nn.Parameter(torch.zeros_like(base_layer.weight))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        # Some blocks read ``norm.weight.dtype`` before calling their norm (Nemotron-H casts
+        # its input to it); the base weight answers. The forward uses the effective weight.
+        return self.base_layer.weight
 
     def effective_weight(self) -> torch.Tensor:
         return self.base_layer.weight * (1 + self.scale) + self.bias

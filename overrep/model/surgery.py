@@ -9,7 +9,9 @@ Recovery module of a run of removed blocks ``[a, b]`` (following the reference c
 
 Block 1 is the retained block just before the run; it absorbs the run. Its
 initialisation is ``stitched`` (attention from block a-1, MLP and the block's norms
-from block b, the last removed one) or ``retained`` (block a-1 as it is). Blocks
+from block b, the last removed one) or ``retained`` (block a-1 as it is; also what
+``stitched`` falls back to where the two blocks are not both attention + MLP blocks, as
+in a hybrid Mamba-attention model whose blocks hold one part each). Blocks
 2..k are the retained blocks after the run. The module learns
 ``h_in(a-1) -> h_out(b+k-1)`` of the dense model (``h_out(b)`` for k = 1, the single
 replacement block of Streamline); when its last block is the model's
@@ -70,6 +72,7 @@ class RecoveryGroup:
     """One recovery module: which dense blocks it spans and how it is initialised.
 
     ``module_layers``: dense indices of the retained blocks forming the module, in order.
+    ``runs`` is empty for width pruning's groups (one per block, nothing removed).
     ``stitch``: dense index of a block 1 -> dense index of the removed block its MLP and
     norms come from. Input: hidden state entering dense block ``input_layer``.
     Target: output of dense block ``target_layer`` (normed if ``final_norm``).
@@ -86,7 +89,7 @@ class RecoveryGroup:
         """The dense block whose *input* the module receives: its first block, or, for a run
         that starts at block 0, block 0 itself -- in the compact model the module's first
         block then receives the embeddings, so that is what it must be trained on."""
-        return min(self.module_layers[0], self.runs[0][0])
+        return min(self.module_layers[0], self.runs[0][0]) if self.runs else self.module_layers[0]
 
     def to_dict(self) -> dict:
         return {"runs": [list(r) for r in self.runs], "module_layers": self.module_layers,
@@ -156,30 +159,66 @@ def plan_pruning(num_layers: int, removed: list[int], *, blocks: int = 2,
     return PrunePlan(num_layers, removed, groups)
 
 
-def _stitch_block(layers: nn.ModuleList, target: int, source: int) -> None:
-    """Give block ``target`` the MLP and block-level norms of block ``source`` (copies)."""
+def can_stitch(layers: nn.ModuleList, target: int, source: int) -> bool:
+    """Whether block ``target`` can take the feed-forward part of block ``source``: both
+    must hold a token mixer *and* a feed-forward part, under the same attribute. A hybrid
+    model's blocks (Nemotron-H: one Mamba, attention or MLP part each) mostly cannot."""
     dst, src = block_parts(layers[target], target), block_parts(layers[source], source)
-    layers[target].mlp = copy.deepcopy(layers[source].mlp)
+    return (dst.attention is not None and dst.mlp is not None and src.mlp is not None
+            and src.attention is not None and dst.mlp_attr == src.mlp_attr)
+
+
+def _stitch_block(layers: nn.ModuleList, target: int, source: int) -> bool:
+    """Give block ``target`` the MLP and block-level norms of block ``source`` (copies).
+
+    Returns False, changing nothing, where the blocks cannot be stitched
+    (:func:`can_stitch`): block 1 is then initialised ``retained``."""
+    if not can_stitch(layers, target, source):
+        log.info("block %d cannot take the feed-forward part of block %d (not both attention + MLP blocks): "
+                 "it is initialised 'retained'", target, source)
+        return False
+    dst, src = block_parts(layers[target], target), block_parts(layers[source], source)
+    setattr(layers[target], src.mlp_attr, copy.deepcopy(src.mlp))
     for name, (parent, attr) in src.norms.items():
         if "." in name:  # norms inside attention (q_norm, k_norm) stay with the attention
             continue
         if name not in dst.norms:
             raise OverRepError(f"cannot stitch block {target} from block {source}: norm '{name}' missing")
         setattr(layers[target], attr, copy.deepcopy(getattr(parent, attr)))
+    return True
 
 
 # Config fields holding one entry per layer, besides any list of exactly num_hidden_layers.
-_PER_LAYER_FIELDS = ("layer_types", "no_rope_layers")
+_PER_LAYER_FIELDS = ("layer_types", "no_rope_layers", "layers_block_type")
+# Lists that can have num_hidden_layers entries by chance but are not per layer.
+_NOT_PER_LAYER = ("mlp_only_layers", "mtp_layers_block_type")
+
+
+def _per_layer(name: str, value, n_old: int) -> bool:
+    """A per-layer list, or a per-layer pattern string (one character per layer, e.g. a
+    hybrid's ``hybrid_override_pattern`` ``"M*-M-*"``)."""
+    if name in _NOT_PER_LAYER:
+        return False
+    if isinstance(value, str):
+        return "pattern" in name and len(value) == n_old
+    return isinstance(value, (list, tuple)) and len(value) == n_old and (
+        name in _PER_LAYER_FIELDS or all(isinstance(v, (str, bool, int)) for v in value))
+
+
+def _is_layer_index_list(name: str, value) -> bool:
+    """A list of layer *indices* (Bamba's ``attn_layer_indices``): renumbered, not sliced."""
+    return name.endswith("_layer_indices") and isinstance(value, (list, tuple)) and all(
+        isinstance(v, int) for v in value)
 
 
 def _patch_config(config, kept: list[int]) -> None:
     n_old = config.num_hidden_layers
     for name, value in list(vars(config).items()):
-        if isinstance(value, (list, tuple)) and len(value) == n_old and (
-                name in _PER_LAYER_FIELDS or all(isinstance(v, (str, bool, int)) for v in value)):
-            if name in ("mlp_only_layers",):
-                continue
-            setattr(config, name, type(value)(value[i] for i in kept))
+        if _is_layer_index_list(name, value):
+            setattr(config, name, type(value)(kept.index(i) for i in value if i in kept))
+        elif _per_layer(name, value, n_old):
+            sliced = [value[i] for i in kept]
+            setattr(config, name, "".join(sliced) if isinstance(value, str) else type(value)(sliced))
     if getattr(config, "num_experts", 0) and hasattr(config, "decoder_sparse_step"):
         # Qwen-MoE decides per layer index which blocks are sparse; renumbering would flip
         # them on reload, so the dense ones are listed explicitly.
@@ -187,6 +226,7 @@ def _patch_config(config, kept: list[int]) -> None:
         dense = [j for j, i in enumerate(kept) if i in only or (i + 1) % step != 0]
         config.mlp_only_layers = dense
         config.decoder_sparse_step = 1
+    # Some configs (Nemotron-H) derive the depth from the per-layer types and ignore this.
     config.num_hidden_layers = len(kept)
 
 
@@ -215,8 +255,9 @@ def prune(model: nn.Module, plan: PrunePlan) -> nn.Module:
     if len(layers) != plan.num_layers:
         raise OverRepError(f"plan is for {plan.num_layers} blocks but the model has {len(layers)}")
     for g in plan.groups:
-        for target, source in g.stitch.items():
-            _stitch_block(layers, target, source)
+        for target, source in list(g.stitch.items()):
+            if not _stitch_block(layers, target, source):
+                del g.stitch[target]  # the plan records what was done: block 1 retained
     remove_layers(model, plan.removed)
     log.info("removed %d of %d blocks: %s", len(plan.removed), plan.num_layers, plan.removed)
     return model

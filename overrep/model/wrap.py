@@ -6,7 +6,10 @@ pretrained weights and W/D, block 2 keeps its pretrained weights frozen and trai
 W/D). :class:`RecoveryModule` runs those blocks on cached hidden states with exactly the
 masks and rotary embeddings the model itself would use (captured from one forward
 pass), and :func:`merge_recovery` folds every wrapper back (``eq:reparam``) so the model
-is again a plain, compact Hugging Face model.
+is again a plain, compact Hugging Face model. In a hybrid Mamba-attention model the
+presets act on the attention and MLP projections a block has; a Mamba-2 mixer stays
+frozen and takes W/D only on ``in_proj``, and only where a preset names ``in``
+(:mod:`overrep.model.mamba` explains why that fold is exact).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .arch import block_parts, decoder_layers, final_norm, mlp_activation
+from .arch import block_parts, decoder_layers, final_norm, group_activation
 from ..core.experts import OvercompleteExperts
 from ..core.precision import autocast
 from .presets import Preset
 from ..core.projection import MergeRefused, OvercompleteLinear, ReparamNorm
 from ..core.schedule import AlphaSchedule, AnnealedActivation
 from .surgery import PrunePlan, RecoveryGroup
+from .width import PRUNED_SIDE, WidthPlan, patch_width_config, set_attention_groups
+from ..errors import OverRepError
 
 WRAPPERS = (OvercompleteLinear, ReparamNorm, OvercompleteExperts)
 
@@ -58,16 +63,26 @@ class RecoveryModule(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
 
-def _wrap_block(layer: nn.Module, index: int, spec, preset: Preset, act: AnnealedActivation) -> None:
+def _wrap_block(layer: nn.Module, index: int, spec, preset: Preset, act: AnnealedActivation,
+                keep: dict | None = None) -> None:
+    """``keep`` (width pruning): projection -> kept channels; each such projection gets a
+    rectangular D on its narrowed side (:data:`overrep.model.width.PRUNED_SIDE`)."""
     parts = block_parts(layer, index)
+    keep = keep or {}
     for p in layer.parameters():
         p.requires_grad_(spec.train_base)
+    for part in parts.frozen:  # a Mamba-2 mixer keeps its pretrained weights (overrep.model.mamba)
+        part.requires_grad_(False)
     for key, (parent, attr) in parts.projections.items():
         use_w, use_d = key in spec.w, key in spec.d
+        if key in keep and not (use_d and preset.side(key) == PRUNED_SIDE[key]):
+            raise OverRepError(f"preset '{preset.name}' cannot recover a width-pruned model: '{key}' needs D on "
+                               f"its {PRUNED_SIDE[key]} side (use the preset 'width')")
         if use_w or use_d:
+            train_base = spec.train_base and parent not in parts.frozen
             setattr(parent, attr, OvercompleteLinear(getattr(parent, attr), use_w=use_w, use_d=use_d,
-                                                     side=preset.d_side[key], train_base=spec.train_base,
-                                                     activation=act))
+                                                     side=preset.side(key), train_base=train_base,
+                                                     activation=act, keep=keep.get(key)))
     if parts.experts is not None:
         parent, attr = parts.experts
         wanted = {k: (k in spec.w, k in spec.d, preset.d_side[k]) for k in ("gate", "up", "down")
@@ -82,10 +97,14 @@ def _wrap_block(layer: nn.Module, index: int, spec, preset: Preset, act: Anneale
             setattr(parent, attr, ReparamNorm(getattr(parent, attr), train_base=spec.train_base))
 
 
-def apply_preset(model: nn.Module, plan: PrunePlan, preset: Preset,
+def apply_preset(model: nn.Module, plan: PrunePlan | WidthPlan, preset: Preset,
                  schedule: AlphaSchedule | None = None) -> list[RecoveryModule]:
     """Freeze the pruned ``model`` and make its recovery blocks overcomplete (in place).
 
+    For a :class:`~overrep.model.width.WidthPlan` there is one module per block. If ``model``
+    is still at full width, every block is wrapped with rectangular D's that narrow it (and
+    the config takes the planned widths), so it computes the width-pruned model until
+    trained; an already narrowed model is wrapped as it is (presets without D).
     Returns one :class:`RecoveryModule` per group of ``plan``. With ``preset.anneal``
     the activation follows ``schedule`` (set it later with ``module.activation.set_schedule``);
     otherwise it stays the identity.
@@ -93,11 +112,21 @@ def apply_preset(model: nn.Module, plan: PrunePlan, preset: Preset,
     model.requires_grad_(False)
     layers = decoder_layers(model)
     modules = []
-    for group in plan.groups:
-        compact = [plan.compact_index(i) for i in group.module_layers]
-        act = AnnealedActivation(mlp_activation(layers[compact[0]]), schedule, enabled=preset.anneal)
+    widen = isinstance(plan, WidthPlan) and not plan.applied_to(model)
+    if widen:  # full-width blocks whose D's narrow them: the model computes at the planned widths
+        w = plan.widths()
+        for c in plan.channels:
+            set_attention_groups(layers[c], w["num_attention_heads"], w["num_key_value_heads"])
+        patch_width_config(model.config, plan)
+    # Every group's activation is found before any block is wrapped (a hybrid group without
+    # an MLP borrows the model's, which may sit in another group's block).
+    compacts = [[plan.compact_index(i) for i in group.module_layers] for group in plan.groups]
+    fns = [group_activation(layers, compact) for compact in compacts]
+    for group, compact, fn in zip(plan.groups, compacts, fns):
+        act = AnnealedActivation(fn, schedule, enabled=preset.anneal)
         for i, c in enumerate(compact):
-            _wrap_block(layers[c], c, preset.block(i), preset, act)
+            keep = plan.keep_indices(c) if widen else None
+            _wrap_block(layers[c], c, preset.block(i), preset, act, keep)
         norm = None
         if group.final_norm:
             norm = final_norm(model)

@@ -68,10 +68,6 @@ def get_method(name: str) -> Method:
 
 
 
-def get_method(name: str) -> Method:
-    return METHODS[name]
-
-
 #: The class that sets up each family of methods.
 FAMILIES = {"layerwise": LayerwiseRun, "adapter": AdapterRun, "full": FullRun, "overcomplete-kd": OvercompleteKDRun}
 

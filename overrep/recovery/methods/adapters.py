@@ -119,7 +119,9 @@ class AdapterRun(MethodRun):
         before = logits_of(self.peft_model, probe)
         ranks = self.ranks()
         self.model = self.peft_model.merge_and_unload()
-        out = check_fold(before, logits_of(self.model, probe), "adapter merge", self.model.dtype)
+        # PEFT's merge rounds W + s·BA in the weights' dtype; through 30 fp32 blocks of a
+        # width-pruned SmolLM2 that measured 1.4e-5 of the logit scale, so 1e-4 here.
+        out = check_fold(before, logits_of(self.model, probe), "adapter merge", self.model.dtype, rel=1e-4)
         if ranks:
             out["adalora_ranks"] = {"min": min(ranks.values()), "max": max(ranks.values()),
                                     "mean": sum(ranks.values()) / len(ranks)}

@@ -3,12 +3,14 @@ becomes on one pruned model (:class:`MethodRun`), and the merge check."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ...errors import OverRepError
+from ...model.width import WidthPlan
 from ..objectives import Objective
 from ..teacher import MethodInputs
 
@@ -33,16 +35,16 @@ def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def check_fold(before: torch.Tensor, after: torch.Tensor, what: str, dtype: torch.dtype) -> dict:
+def check_fold(before: torch.Tensor, after: torch.Tensor, what: str, dtype: torch.dtype, rel: float = 1e-5) -> dict:
     """The merge guarantee: the folded model computes what training optimised.
 
     ``before`` is the trained function's output (at the alpha of the last training step),
     ``after`` the merged model's. Tolerance: 1e-5 relative to the output scale, or a few
-    rounding steps of a low-precision ``dtype``.
+    rounding steps of a low-precision ``dtype`` (``rel`` overrides the 1e-5).
     """
     diff = (after.double() - before.double()).abs().max().item()
     scale = before.abs().max().item()
-    tol = max(1e-5, 16 * torch.finfo(dtype).eps) * max(scale, 1e-6)
+    tol = max(rel, 16 * torch.finfo(dtype).eps) * max(scale, 1e-6)
     if not diff <= tol:
         raise OverRepError(f"{what} check failed: the merged model differs from the trained one by {diff:.3g} "
                            f"(output scale {scale:.3g}, tolerance {tol:.3g})")
@@ -66,6 +68,14 @@ class MethodRun:
     def __init__(self, inputs: MethodInputs, method: Method):
         self.inputs, self.method = inputs, method
         self.model = inputs.pruned  # the compact model :meth:`finish` leaves behind
+
+    def model_for(self, preset) -> nn.Module:
+        """The model ``preset`` wraps (and :attr:`model` from now on): the pruned model, or,
+        for width pruning with D's, a full-width copy of the dense model that the D's narrow
+        (paper appendix "OverRep in Channel-wise Pruning")."""
+        if isinstance(self.inputs.plan, WidthPlan) and preset.uses_d:
+            self.model = copy.deepcopy(self.inputs.dense)
+        return self.model
 
     @property
     def trainable_params(self) -> int:

@@ -28,10 +28,11 @@ class LayerwiseRun(MethodRun):
         super().__init__(inputs, method)
         r, teacher, plan = inputs.config, inputs.teacher, inputs.plan
         self.preset = get_preset(method.preset or r.preset)
-        self.modules = apply_preset(inputs.pruned, plan, self.preset)
+        model = self.model_for(self.preset)
+        self.modules = apply_preset(model, plan, self.preset)
         for m in self.modules:
             m.precision = r.precision
-        full_ctx = capture_layer_context(inputs.pruned, inputs.train_ids.shape[1])
+        full_ctx = capture_layer_context(model, inputs.train_ids.shape[1])
         self.contexts = [module_context(full_ctx, m) for m in self.modules]
         self.val_probe = teacher.batch(inputs.heldout_ids[:16])
         self.loss = r.loss
@@ -50,7 +51,7 @@ class LayerwiseRun(MethodRun):
         n_ppl = r.val_ppl_sequences
         self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, loss=r.loss, aux=aux,
                                    lam=r.loss_lambda, switch=r.loss_switch, total_steps=inputs.total_steps,
-                                   ppl_model=inputs.pruned if n_ppl else None,
+                                   ppl_model=model if n_ppl else None,
                                    ppl_ids=inputs.heldout_ids[:n_ppl] if n_ppl else None,
                                    topk_rest=r.loss_topk_rest)
 
@@ -74,7 +75,7 @@ class LayerwiseRun(MethodRun):
                                        "kl-topk)")
                 aux[i]["gram"] = gram.to(device)
             if "kl-topk" in phases:
-                aux[i]["tail"] = Tail(inputs.pruned, m, full_ctx)
+                aux[i]["tail"] = Tail(self.model, m, full_ctx)
         return aux
 
     @torch.no_grad()

@@ -18,9 +18,10 @@ class OvercompleteKDRun(MethodRun):
     def __init__(self, inputs: MethodInputs, method: Method):
         super().__init__(inputs, method)
         self.preset = get_preset(method.preset or inputs.config.preset)
-        self.modules = apply_preset(inputs.pruned, inputs.plan, self.preset)
+        model = self.model_for(self.preset)
+        self.modules = apply_preset(model, inputs.plan, self.preset)
         params = unique_trainable(self.modules)
-        self.objective = LogitDistillation(inputs.pruned, inputs.dense, inputs.train_ids, inputs.heldout_ids[:8],
+        self.objective = LogitDistillation(model, inputs.dense, inputs.train_ids, inputs.heldout_ids[:8],
                                            params=params, activations=[m.activation for m in self.modules],
                                            decayed=set().union(*(pretrained_matrix_ids(m) for m in self.modules)),
                                            tau=inputs.config.kd_tau)
