@@ -133,7 +133,8 @@ def test_cli_width_run_exports_a_loadable_model(assets, tmp_path, capsys):
     assert m["granularity"] == "width" and m["removed_layers"] == [] and m["merge_max_abs_diff"] <= 1e-4
     assert abs(m["param_fraction_removed_head_counted"] - 0.25) < 0.02
     saved = RunConfig.load(out / "config.yaml")
-    assert saved.recovery.preset == "width" and saved.cache.mode == "live"  # width's resolved defaults
+    assert saved.recovery.preset == "width-linear" and saved.cache.mode == "live"  # width's resolved defaults
+    assert saved.recovery.lr == 1e-3  # given explicitly (tiny_cfg), so kept
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert model.config.intermediate_size == m["widths"]["after"]["intermediate_size"]
     assert count_parameters(model) == m["pruned_params"]

@@ -234,7 +234,8 @@ class RunConfig:
 
     def _resolve_width(self) -> None:
         """Width pruning's constraints, and its defaults where block pruning's do not apply:
-        the preset ``width`` for ``hybrid``, teacher features recomputed every step
+        the preset ``width-linear`` for ``hybrid`` and OverRep's learning rate 1e-4 (both
+        measured best at short budgets), teacher features recomputed every step
         (``cache.mode: live``; a disk cache would hold two hidden states per block), and
         fp32 training (bf16 autocast measured ~15x slower per block on this CPU for the
         full-width P + W and the rectangular D)."""
@@ -250,8 +251,10 @@ class RunConfig:
         if r.method in ("streamline", "lora-iso"):
             raise OverRepError(f"recovery.method '{r.method}' is defined for block removal only; width pruning "
                                f"supports {', '.join(m for m in METHODS if m not in ('streamline', 'lora-iso'))}")
-        if r.preset == "hybrid":
-            r.preset = "width"
+        if r.preset == "hybrid":  # measured (docs/results.md, width at 6 min): 262 against 645 for 'width'
+            r.preset = "width-linear"
+        if r.lr is None and r.method == "overrep":  # 1e-3 on full-width W took the model to 10,237 (pruned: 1,613)
+            r.lr = 1e-4
         from ..model.presets import get_preset
         from ..model.width import PRUNED_SIDE
 
