@@ -39,7 +39,7 @@ class PruneConfig:
 
 @dataclass
 class RecoveryConfig:
-    method: str = "overrep"  # overrep | plain | streamline | lora | adalora | lora-iso | full-ft | logit-kd | overrep-kd
+    method: str = "overrep"  # overrep | plain | streamline | lora | adalora | lora-iso | rankadaptor | full-ft | logit-kd | overrep-kd | restorelcc
     preset: str = "hybrid"  # overrep / overrep-kd: built-in preset name (see `overrep presets`) or a preset .yaml file
     blocks: int = 2  # recovery blocks per removed segment (block before it + blocks after it)
     block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
@@ -60,6 +60,11 @@ class RecoveryConfig:
     lora_rank: int = 16  # lora / adalora: rank r (adalora starts at 2r and allocates down to an average of r)
     lora_alpha: float = 32.0  # lora / adalora: scaling alpha (lora-iso keeps alpha / r)
     lora_dropout: float = 0.05  # lora / adalora: dropout on the adapter input
+    # rankadaptor (RankAdaptor): per-block LoRA ranks, mean lora_rank, chosen by a performance-model search (cached)
+    rankadaptor_probes: int = 8  # rank configurations really fine-tuned and measured (the uniform one and ~half sampled offline, the rest proposed online)
+    rankadaptor_probe_steps: int = 10  # optimiser steps of each probe's short LoRA fine-tune (the search costs probes x probe_steps LoRA steps, plus one validation each)
+    rankadaptor_candidates: int = 2000  # configurations the performance model scores per online round (the best two are measured)
+    rankadaptor_val_sequences: int = 8  # training rows held back to score the probes (validation loss; never the held-out rows)
     loss: str = "normed"  # overrep / plain / streamline: layer-wise loss, mse (the paper's) | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`; chosen by held-out perplexity, docs/losses.md)
     loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term
     loss_switch: float = 0.5  # A>B losses: fraction of the steps after which B replaces A
@@ -68,6 +73,12 @@ class RecoveryConfig:
     fisher_sequences: int = 32  # fisher: training rows the diagonal Fisher is estimated on
     val_ppl_sequences: int = 8  # held-out rows scored for val_ppl every eval_every steps (0: off)
     kd_tau: float = 1.0  # logit-kd / overrep-kd: distillation temperature
+    # restorelcc (RestoreLCC): learnable vectors on the attention heads a probe found pruning hurt most
+    restorelcc_heads: float = 0.25  # heads compensated: a fraction (<= 1) of all heads of the pruned model, or a whole count (> 1); the reference's default is a quarter
+    restorelcc_components: int = 10  # top SVD directions of a head's dense-minus-pruned outputs whose mean part is its lost component (the probe's edit)
+    restorelcc_probe_rows: int = 8  # training rows (every token) the dense and pruned heads are compared and probed on
+    restorelcc_probe: str = "gradient"  # head score: "gradient" (loss change of the edit to first order, one backward) | "edit" (measured, one forward per head)
+    restorelcc_init_std: float = 1e-3  # std of the normal init of the magnitudes and the free component (the reference's; 0: start exactly at the pruned model)
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
     eval_every: int = 50  # steps between validation-loss measurements
     threads: int | None = None  # torch CPU threads (None = torch's default)
@@ -210,6 +221,12 @@ class RunConfig:
                                "fisher_sequences >= 1, val_ppl_sequences >= 0")
         if r.lora_rank < 1 or r.kd_tau <= 0:
             raise OverRepError("recovery.lora_rank must be >= 1 and recovery.kd_tau > 0")
+        from ..recovery.methods import check_rankadaptor_config
+
+        check_rankadaptor_config(r, d.train_sequences)
+        from ..recovery.methods.restorelcc import check_config as check_restorelcc
+
+        check_restorelcc(r, p.granularity)
         if p.calibration_sequences < 1:
             raise OverRepError("prune.calibration_sequences must be >= 1")
         if d.seq_len < 8 or d.train_sequences < 1 or d.heldout_sequences < 1:

@@ -267,7 +267,11 @@ class Pipeline(BudgetStages):
                               self.total_steps, self.teacher)
         self.recovery = build_recovery(inputs, self.method, with_data=with_data)
         self.note_cache()
-        self.build_seconds = time.perf_counter() - t0 - (self.teacher.seconds - cached)
+        # what a rebuild (a time budget's) costs again: not the cache, nor a search it reads back
+        self.build_seconds = time.perf_counter() - t0 - (self.teacher.seconds - cached) - (
+            self.recovery.search_seconds if self.recovery.searched_now else 0.0)
+        if self.recovery.search_seconds:
+            self.timings["search"] = self.recovery.search_seconds
         self.metrics["method"] = self.method.name
         self.metrics["objective"] = self.method.objective
         self.metrics["trainable_params"] = self.recovery.trainable_params

@@ -14,14 +14,20 @@ streamline     one block replaces the removed run (all weights)     layer-wise (
 lora           PEFT LoRA on every projection of every block          language modelling
 adalora        PEFT AdaLoRA (rank re-allocated every step)           language modelling
 lora-iso       LoRA whose rank matches OverRep's trainable count     language modelling
+rankadaptor    LoRA, per-block ranks (mean r) a performance-model    language modelling
+               search chose (RankAdaptor)
 full-ft        every retained block, all weights                     language modelling
 logit-kd       every retained block, all weights                     KL to dense logits
 overrep-kd     OverRep's recovery blocks                             KL to dense logits
+restorelcc     2 x head_dim vectors on the attention heads a probe   language modelling
+               found pruning hurt most (RestoreLCC), merged as o bias
 =============  ===============================================  ======================
 
 One module per family: :mod:`.layerwise` (overrep, plain, streamline), :mod:`.adapters`
-(lora, adalora, lora-iso), :mod:`.whole_model` (full-ft, logit-kd, overrep-kd); what they
-share is in :mod:`.base`. A method receives a :class:`~overrep.recovery.teacher.MethodInputs`
+(lora, adalora, lora-iso; rankadaptor's search in :mod:`.rankadaptor`), :mod:`.whole_model`
+(full-ft, logit-kd, overrep-kd), :mod:`.restorelcc` (restorelcc; its probe in
+:mod:`.restorelcc_probe`); what they share is in :mod:`.base`. A method receives a
+:class:`~overrep.recovery.teacher.MethodInputs`
 (models, plan, data, its config section, the teacher) and nothing else.
 
 Streamline (Chen et al., 2024) replaces the pruned run with one trained layer; here that
@@ -37,6 +43,8 @@ from ..teacher import MethodInputs
 from .adapters import AdapterRun, iso_rank, lora_params_per_rank, projection_names
 from .base import Method, MethodRun
 from .layerwise import LayerwiseRun
+from .rankadaptor import RankAdaptorRun, check_config as check_rankadaptor_config
+from .restorelcc import RestoreLCCRun
 from .whole_model import FullRun, OvercompleteKDRun
 
 #: Every recovery method: registering a Method here is the one edit that makes it known
@@ -53,11 +61,15 @@ for _m in [
     Method("adalora", "PEFT AdaLoRA, rank re-allocated every step, language-model loss, merged",
            "adapter", "lm", 1e-3),
     Method("lora-iso", "LoRA with the rank that matches OverRep's trainable parameters", "adapter", "lm", 1e-3),
+    Method("rankadaptor", "RankAdaptor: LoRA with per-block ranks (mean lora_rank) chosen by a performance-model "
+           "search over short probe fine-tunes, language-model loss, merged", "adapter", "lm", 1e-3),
     Method("full-ft", "full fine-tuning of every retained block, language-model loss", "full", "lm", 1e-4),
     Method("logit-kd", "every retained block trained on forward KL to the dense model's logits (tau=1)",
            "full", "kd", 1e-4),
     Method("overrep-kd", "OverRep's parameterisation trained with the logit-KD objective",
            "overcomplete-kd", "kd", 1e-3),
+    Method("restorelcc", "RestoreLCC: lost-component vectors on the attention heads a probe found pruning hurt most, "
+           "language-model loss, merged as an o_proj bias", "lost-components", "lm", 1e-3),
 ]:
     METHODS.register(_m)
 
@@ -69,7 +81,8 @@ def get_method(name: str) -> Method:
 
 
 #: The class that sets up each family of methods.
-FAMILIES = {"layerwise": LayerwiseRun, "adapter": AdapterRun, "full": FullRun, "overcomplete-kd": OvercompleteKDRun}
+FAMILIES = {"layerwise": LayerwiseRun, "adapter": AdapterRun, "full": FullRun, "overcomplete-kd": OvercompleteKDRun,
+            "lost-components": RestoreLCCRun}
 
 
 def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = True) -> MethodRun:
@@ -77,8 +90,10 @@ def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = Tr
     feature cache, for re-exporting from checkpoints)."""
     if method.family == "layerwise":
         return LayerwiseRun(inputs, method, with_data=with_data)
+    if method.name == "rankadaptor":  # an adapter whose ranks a search chooses first (no data: no search)
+        return RankAdaptorRun(inputs, method, search=with_data)
     return FAMILIES[method.family](inputs, method)
 
 
 __all__ = ["METHODS", "FAMILIES", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery",
-           "iso_rank", "lora_params_per_rank", "projection_names"]
+           "iso_rank", "lora_params_per_rank", "projection_names", "check_rankadaptor_config"]

@@ -20,13 +20,17 @@ from ..teacher import MethodInputs
 from .base import Method, MethodRun, check_fold, logits_of
 
 
+def projections_by_block(model: nn.Module) -> list[list[str]]:
+    """Fully qualified names of the dense projections (q..down) of each block, in block order
+    (a block without any, e.g. a Mamba-2 mixer's, has an empty list)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return [[names[id(getattr(parent, attr))] for parent, attr in block_parts(layer, i).projections.values()]
+            for i, layer in enumerate(decoder_layers(model))]
+
+
 def projection_names(model: nn.Module) -> list[str]:
     """Fully qualified names of every dense projection (q..down) in every block."""
-    names = {id(m): n for n, m in model.named_modules()}
-    out = []
-    for i, layer in enumerate(decoder_layers(model)):
-        for parent, attr in block_parts(layer, i).projections.values():
-            out.append(names[id(getattr(parent, attr))])
+    out = [name for block in projections_by_block(model) for name in block]
     if not out:
         raise OverRepError("no dense projections found to attach adapters to (fused-expert MoE blocks are not "
                            "supported by the PEFT baselines)")
@@ -44,6 +48,15 @@ def lora_params_per_rank(model: nn.Module) -> int:
 
 def iso_rank(model: nn.Module, target_params: int) -> int:
     return max(1, int(round(target_params / lora_params_per_rank(model))))
+
+
+def lora_config(r, targets: list[str], rank: int, alpha: float, **patterns):
+    """PEFT's LoraConfig from the ``recovery`` section ``r``; ``patterns``: ``rank_pattern`` /
+    ``alpha_pattern`` (regular expressions matched against module names -> rank / alpha)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=r.lora_dropout, target_modules=targets,
+                      task_type="CAUSAL_LM", **patterns)
 
 
 class AdaLoraLanguageModeling(LanguageModeling):
@@ -78,7 +91,7 @@ class AdapterRun(MethodRun):
 
     def __init__(self, inputs: MethodInputs, method: Method):
         super().__init__(inputs, method)
-        from peft import AdaLoraConfig, LoraConfig, get_peft_model
+        from peft import AdaLoraConfig, get_peft_model
 
         r = inputs.config
         model = inputs.pruned
@@ -99,13 +112,16 @@ class AdapterRun(MethodRun):
                                    target_modules=targets, tinit=tinit, tfinal=tfinal, deltaT=1,
                                    total_step=total, task_type="CAUSAL_LM")
         else:
-            config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=r.lora_dropout, target_modules=targets,
-                                task_type="CAUSAL_LM")
+            config = self.lora_config(targets, rank, alpha)
         self.rank, self.alpha = rank, alpha
         self.peft_model = get_peft_model(model, config)
         # adapters start at (or near) zero: no weight decay
         objective = AdaLoraLanguageModeling if method.name == "adalora" else LanguageModeling
         self.objective = objective(self.peft_model, inputs.train_ids, inputs.heldout_ids[:8], decayed=set())
+
+    def lora_config(self, targets: list[str], rank: int, alpha: float):
+        """The LoraConfig of ``lora`` and ``lora-iso`` (a subclass may give projections ranks of their own)."""
+        return lora_config(self.inputs.config, targets, rank, alpha)
 
     def ranks(self) -> dict[str, int]:
         """Current rank of every adapted projection (AdaLoRA: after allocation)."""

@@ -64,6 +64,10 @@ class MethodRun:
     """A method set up on one pruned model: an objective to train, then :meth:`finish`."""
 
     objective: Objective
+    #: a method that searches before it trains (rankadaptor): the seconds its search took, and
+    #: whether this build ran it (False: read from its cache, so a rebuild pays nothing again)
+    search_seconds: float = 0.0
+    searched_now: bool = False
 
     def __init__(self, inputs: MethodInputs, method: Method):
         self.inputs, self.method = inputs, method
