@@ -35,10 +35,23 @@ def counting_probes(monkeypatch) -> list:
     return calls
 
 
+def test_a_search_that_outgrows_its_share_of_the_budget_stops_at_plain_lora(assets, tmp_path, monkeypatch):
+    """The search is part of the wall-clock: past its share of a time budget it measures no
+    more probes, and with only the uniform one measured the ranks are plain LoRA's."""
+    calls = counting_probes(monkeypatch)
+    m = Pipeline(tiny_cfg(assets, tmp_path / "run", recovery__steps=None, recovery__time_budget="8s",
+                          recovery__rankadaptor_budget_share=0.001, **SEARCH), progress=False).run()
+    assert len(calls) == 1
+    ra = m["rankadaptor"]
+    assert ra["truncated"] is True and ra["performance_model"] is None
+    assert list(ra["block_ranks"].values()) == [4, 4, 4, 4] and m["train_steps"] >= 1
+
+
 def test_budgeted_run_searches_once_and_exports_a_compact_model(assets, tmp_path, monkeypatch):
     """Under a time budget the pipeline builds the recovery twice: the second build reads the
     search back; the exported model is the merged compact one."""
     calls = counting_probes(monkeypatch)
+    monkeypatch.setattr(RankSearch, "out_of_time", lambda self: False)  # all 4 probes, however slow the machine
     out = tmp_path / "run"
     m = Pipeline(tiny_cfg(assets, out, recovery__steps=None, recovery__time_budget="8s", **SEARCH),
                  progress=False).run()
@@ -117,6 +130,7 @@ def test_without_data_it_neither_searches_nor_needs_a_search(assets, tmp_path, m
     ("rankadaptor_probes", 1, "recovery.rankadaptor_probes must be >= 2, got 1"),
     ("rankadaptor_probe_steps", 0, "recovery.rankadaptor_probe_steps must be >= 1"),
     ("rankadaptor_candidates", 0, "recovery.rankadaptor_candidates must be >= 1"),
+    ("rankadaptor_budget_share", 0, "recovery.rankadaptor_budget_share must be in (0, 1], got 0"),
     ("rankadaptor_val_sequences", 20, "rankadaptor_val_sequences=20 leaves 3 of the 24 training rows"),
 ])
 def test_impossible_settings_are_one_line_errors(assets, tmp_path, field, value, message):

@@ -64,6 +64,7 @@ class RecoveryConfig:
     rankadaptor_probes: int = 8  # rank configurations really fine-tuned and measured (the uniform one and ~half sampled offline, the rest proposed online)
     rankadaptor_probe_steps: int = 10  # optimiser steps of each probe's short LoRA fine-tune (the search costs probes x probe_steps LoRA steps, plus one validation each)
     rankadaptor_candidates: int = 2000  # configurations the performance model scores per online round (the best two are measured)
+    rankadaptor_budget_share: float = 0.5  # under recovery.time_budget the search stops once another probe would pass this share of the budget (the uniform probe always runs)
     rankadaptor_val_sequences: int = 8  # training rows held back to score the probes (validation loss; never the held-out rows)
     loss: str = "normed"  # overrep / plain / streamline: layer-wise loss, mse (the paper's) | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`; chosen by held-out perplexity, docs/losses.md)
     loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term

@@ -46,6 +46,10 @@ Here:
   scored; the best two predicted that are not measured yet are measured and join the
   training set; rounds repeat until ``rankadaptor_probes`` measurements are spent.
 * **Choice**: the configuration with the lowest *measured* validation loss.
+* **Under a time budget** (ours): the search is part of the method's wall-clock, so it stops
+  before a probe (at the mean probe time so far) would pass ``rankadaptor_budget_share`` of
+  the budget; the uniform probe always runs. With one probe measured the result is the
+  uniform configuration, i.e. plain LoRA that paid for one probe.
 
 The search runs once per inputs: its result is cached as JSON under the cache root
 (``cache.dir``, ``rankadaptor/<digest>.json``) keyed by the teacher's fingerprint (model,
@@ -76,6 +80,7 @@ from ...atomic import write_json
 from ...data.packing import tensor_fingerprint
 from ...errors import OverRepError
 from ...model.runtime import digest
+from ..budget import parse_duration
 from ..objectives import LanguageModeling
 from ..teacher import MethodInputs
 from ..trainer import Trainer
@@ -88,11 +93,11 @@ RANK_FACTORS = (0.5, 1.0, 1.5, 2.0)  # each block's candidate ranks, in units of
 PER_ROUND = 2  # configurations really measured per online round
 LAMBDAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)  # ridge penalties (leave-one-out error picks one)
 GAP = 1  # training rows left out between the probes' rows and their validation slice
-VERSION = 1  # of the search: a change makes older cached results stale
+VERSION = 2  # of the search: a change makes older cached results stale
 #: the recovery settings a probe reads: they key the cached search
 PROBE_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lr", "batch_size", "grad_accum", "min_lr_ratio",
                 "warmup_ratio", "betas", "grad_clip", "seed", "rankadaptor_probes", "rankadaptor_probe_steps",
-                "rankadaptor_candidates", "rankadaptor_val_sequences")
+                "rankadaptor_candidates", "rankadaptor_val_sequences", "time_budget", "rankadaptor_budget_share")
 
 
 def check_config(r, train_sequences: int) -> None:
@@ -101,6 +106,8 @@ def check_config(r, train_sequences: int) -> None:
         v = getattr(r, f"rankadaptor_{name}")
         if v < low:
             raise OverRepError(f"recovery.rankadaptor_{name} must be >= {low}, got {v}")
+    if not 0 < r.rankadaptor_budget_share <= 1:
+        raise OverRepError(f"recovery.rankadaptor_budget_share must be in (0, 1], got {r.rankadaptor_budget_share}")
     left, batch = train_sequences - r.rankadaptor_val_sequences - GAP, r.batch_size * r.grad_accum
     if r.method == "rankadaptor" and left < batch:
         raise OverRepError(f"recovery.rankadaptor_val_sequences={r.rankadaptor_val_sequences} leaves {max(left, 0)} "
@@ -237,6 +244,17 @@ class RankSearch:
                                f"training rows to the search's probes, fewer than one batch ({batch})")
         self.train_rows, self.val_rows = ids[:n - v - GAP], ids[n - v:]
         self.probes: list[dict] = []
+        #: under a time budget the search may spend this share of it (seconds), then stops
+        self.allowance = (parse_duration(self.cfg.time_budget) * self.cfg.rankadaptor_budget_share
+                          if self.cfg.time_budget is not None and self.cfg.steps is None else None)
+
+    def out_of_time(self) -> bool:
+        """Another probe (at the mean probe time so far) would overrun the search's share of a
+        time budget. The uniform probe always runs: the choice is never worse than plain LoRA."""
+        if self.allowance is None or not self.probes:
+            return False
+        elapsed = time.perf_counter() - self.started
+        return elapsed + elapsed / len(self.probes) > self.allowance
 
     def probe(self, config: tuple[int, ...]) -> float:
         """Validation loss after a short LoRA fine-tune with ``config`` on a copy of the pruned model."""
@@ -313,8 +331,10 @@ class RankSearch:
         log.info("rankadaptor: searching per-block LoRA ranks (mean %d, from %s) with %d probes of %d steps",
                  space.rank, space.levels, total, cfg.rankadaptor_probe_steps)
         for c in [space.uniform()] + self.fresh(rng, max(2, (total + 1) // 2) - 1):  # offline
+            if self.out_of_time():
+                break
             self.measure(c, "offline")
-        while len(self.probes) < total:  # online: the model proposes, the best few are measured
+        while len(self.probes) < total and not self.out_of_time():  # online: the model proposes, the best are measured
             model.fit([p["ranks"] for p in self.probes], [p["val_loss"] for p in self.probes])
             found = self.candidates(rng, cfg.rankadaptor_candidates) or self.fresh(rng, PER_ROUND)
             if not found:
@@ -322,7 +342,17 @@ class RankSearch:
             predicted = model.predict(found)
             order = sorted(range(len(found)), key=lambda j: (predicted[j], found[j]))
             for j in order[:min(PER_ROUND, total - len(self.probes))]:
+                if self.out_of_time():
+                    break
                 self.measure(found[j], "online", predicted[j])
+        truncated = len(self.probes) < total
+        if truncated:
+            log.info("rankadaptor: the search stops after %d of %d probes: its share of the time budget "
+                     "(%.0f s) is spent", len(self.probes), total, self.allowance)
+        if len(self.probes) < 2:  # nothing to compare or fit: plain LoRA's uniform ranks
+            return {**result, "ranks": list(space.uniform()), "probes": self.probes, "performance_model": None,
+                    "uniform_val_loss": self.probes[0]["val_loss"], "best_val_loss": self.probes[0]["val_loss"],
+                    "truncated": truncated, "seconds": time.perf_counter() - self.started}
         fit = model.fit([p["ranks"] for p in self.probes], [p["val_loss"] for p in self.probes])
         online = [abs(p["predicted"] - p["val_loss"]) for p in self.probes if p["predicted"] is not None]
         fit["online_mae"] = sum(online) / len(online) if online else None
@@ -332,7 +362,7 @@ class RankSearch:
                  best["ranks"], best["val_loss"], self.probes[0]["val_loss"], len(self.probes), seconds)
         return {**result, "ranks": best["ranks"], "probes": self.probes, "performance_model": fit,
                 "best_val_loss": best["val_loss"], "uniform_val_loss": self.probes[0]["val_loss"],
-                "seconds": seconds}
+                "truncated": truncated, "seconds": seconds}
 
 
 def search_path(inputs: MethodInputs) -> tuple[Path, str]:
@@ -387,7 +417,8 @@ class RankAdaptorRun(AdapterRun):
                "search_seconds": self.search_seconds}
         if self.search:
             out.update({k: self.search.get(k) for k in ("candidate_ranks", "val_sequences", "probe_steps",
-                                                          "performance_model", "uniform_val_loss", "best_val_loss")})
+                                                          "performance_model", "uniform_val_loss", "best_val_loss",
+                                                          "truncated")})
             out["probes"] = [{k: p[k] for k in ("ranks", "val_loss", "phase", "predicted")}
                              for p in self.search["probes"]]
         return out
