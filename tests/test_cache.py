@@ -78,6 +78,9 @@ def test_round_trip_exact(tmp_path, dtype):
     assert m["fingerprint"] == FP and m["layout"]["dtype"] == str(dtype).removeprefix("torch.")
     assert m["shapes"]["inputs"] == [N, T, H] and len(m["shards"]) == 3
     assert all(len(s["sha256"]) == 64 and s["size"] > 0 for s in m["shards"])
+    # what building it cost stays with it: a reopened (reused) cache still states it
+    assert all(s["seconds"] >= 0 for s in m["shards"]) and fc2.build_seconds == pytest.approx(fc.build_seconds)
+    assert fc2.build_seconds == pytest.approx(sum(s["seconds"] for s in m["shards"]))
 
 
 def test_written_shards_are_valid_safetensors(tmp_path):

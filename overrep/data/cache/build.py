@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,7 +99,9 @@ def _produce(writer: FeatureCacheWriter, shards: list[int], produce, progress: b
     with tqdm(total=todo, unit="sample", desc="feature cache", disable=not progress, dynamic_ncols=True) as bar:
         for shard in shards:
             rows = writer.shard_range(shard)
-            writer.write_shard(shard, **produce(rows))
+            t0 = time.perf_counter()
+            tensors = produce(rows)
+            writer.write_shard(shard, seconds=time.perf_counter() - t0, **tensors)
             bar.update(len(rows))
 
 

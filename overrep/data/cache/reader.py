@@ -135,6 +135,9 @@ class FeatureCache:
         self.dtype: torch.dtype = _DTYPE_BY_NAME[layout["dtype"]]
         self.tensor_names: tuple[str, ...] = tuple(layout["tensors"])
         self.nbytes: int = sum(entry["size"] for entry in manifest["shards"])
+        #: seconds the teacher spent producing the shards (summed over the ranks that wrote them;
+        #: 0 for a cache written before shards recorded it)
+        self.build_seconds: float = float(sum(entry.get("seconds", 0.0) for entry in manifest["shards"]))
         self._files: OrderedDict[int, _ShardFile] = OrderedDict()
 
     @classmethod

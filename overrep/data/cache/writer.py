@@ -145,8 +145,10 @@ class FeatureCacheWriter:
         size = self.layout["shard_size"]
         return range(shard * size, min((shard + 1) * size, self.layout["num_samples"]))
 
-    def write_shard(self, shard: int, **tensors: torch.Tensor) -> None:
+    def write_shard(self, shard: int, *, seconds: float | None = None, **tensors: torch.Tensor) -> None:
         """Write one shard atomically; each tensor is ``[len(shard_range(shard)), seq_len, hidden]``.
+        ``seconds``: what producing the shard cost (recorded, so that a reused cache still
+        states what it took to build: :attr:`FeatureCache.build_seconds`).
 
         Tensors are moved to CPU and cast to the cache dtype. The shard is written to a
         temp file, fsync'd and renamed, then its sidecar (size, sha256) likewise.
@@ -171,6 +173,8 @@ class FeatureCacheWriter:
         size, digest = _atomic_write(file, _safetensors_chunks(prepared, metadata), self.path)
         entry = {"file": file.name, "shard": shard, "start": rows.start, "count": len(rows),
                  "size": size, "sha256": digest, "rank": self.rank, "key": self.key}
+        if seconds is not None:
+            entry["seconds"] = round(float(seconds), 3)
         try:
             _atomic_write_json(sidecar, entry, self.path)
         except BaseException:
