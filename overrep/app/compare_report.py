@@ -95,7 +95,8 @@ def markdown(results: dict) -> str:
         lines.append("")
     lines += ["Columns: held-out perplexity of the exported compact model; RR = trainable / compact parameters; "
               "features s = building the feature cache in that cell (0 when it reused one built by an earlier "
-              "cell of the same plan); recovery s = train s + features s; peak memory = the cell process's "
+              "cell of the same plan); recovery s = train s + features s + a method's own search or probe "
+              "(rankadaptor, restorelcc); peak memory = the cell process's "
               "peak resident memory (CPU) or peak allocated GPU memory.", ""]
     return "\n".join(lines)
 
