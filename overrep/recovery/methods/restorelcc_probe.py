@@ -224,27 +224,14 @@ def cached_probe(pruned: nn.Module, dense: nn.Module, kept: list[int], ids: torc
     return probe
 
 
-def select_heads(scores: torch.Tensor, spec: float, affected: torch.Tensor | None = None) -> list[tuple[int, int]]:
+def select_heads(scores: torch.Tensor, spec: float) -> list[tuple[int, int]]:
     """The top heads by score (ties: lower block, then lower head first): ``spec`` <= 1 is a
-    fraction of all heads (at least one), > 1 a count. With ``affected`` (a bool mask), only
-    heads whose activations pruning changed are candidates: after block removal every block
-    before the removed run computes what the dense one did and has nothing lost to
-    compensate, so fewer heads than ``spec`` asks for may be selected."""
+    fraction of all heads (at least one), > 1 a count."""
     total = scores.numel()
     count = max(1, int(round(spec * total))) if spec <= 1 else int(spec)
     if count > total:
         raise OverRepError(f"recovery.restorelcc_heads asks for {count} heads; the pruned model has {total}")
     heads = scores.shape[1]
     flat = scores.reshape(-1).tolist()
-    pool = range(total) if affected is None else [i for i, a in enumerate(affected.reshape(-1).tolist()) if a]
-    if not pool:
-        raise OverRepError("restorelcc: pruning changed no attention head's output on the probe rows; "
-                           "there is nothing to compensate")
-    order = sorted(pool, key=lambda i: (-flat[i], i))[:count]
+    order = sorted(range(total), key=lambda i: (-flat[i], i))[:count]
     return sorted((i // heads, i % heads) for i in order)
-
-
-def affected_heads(probe: Probe, rel: float = 1e-6) -> torch.Tensor:
-    """Heads whose dense-minus-pruned activations are not (numerically) zero."""
-    top = probe.singular[..., 0]
-    return top > rel * top.max().clamp_min(torch.finfo(top.dtype).tiny)
