@@ -80,19 +80,19 @@ def get_method(name: str) -> Method:
 
 
 
-#: The class that sets up each family of methods.
+#: The class that sets up each family of methods ...
 FAMILIES = {"layerwise": LayerwiseRun, "adapter": AdapterRun, "full": FullRun, "overcomplete-kd": OvercompleteKDRun,
             "lost-components": RestoreLCCRun}
+#: ... and the methods that extend their family's class (an adapter whose ranks a search chooses first).
+RUN_CLASSES = {"rankadaptor": RankAdaptorRun}
 
 
 def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = True) -> MethodRun:
-    """``method`` set up on ``inputs`` (``with_data=False``: a layer-wise method without its
-    feature cache, for re-exporting from checkpoints)."""
-    if method.family == "layerwise":
-        return LayerwiseRun(inputs, method, with_data=with_data)
-    if method.name == "rankadaptor":  # an adapter whose ranks a search chooses first (no data: no search)
-        return RankAdaptorRun(inputs, method, search=with_data)
-    return FAMILIES[method.family](inputs, method)
+    """``method`` set up on ``inputs`` (``with_data=False``: without the preparation that needs
+    training data and is not cached, e.g. a layer-wise method's feature cache, for ``overrep
+    plan`` and re-exporting from checkpoints)."""
+    cls = RUN_CLASSES.get(method.name) or FAMILIES[method.family]
+    return cls(inputs, method, with_data=with_data)
 
 
 __all__ = ["METHODS", "FAMILIES", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery",

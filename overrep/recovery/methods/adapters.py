@@ -94,8 +94,8 @@ class AdaLoraLanguageModeling(LanguageModeling):
 class AdapterRun(MethodRun):
     """A PEFT adapter on every projection of every retained block, merged at the end."""
 
-    def __init__(self, inputs: MethodInputs, method: Method):
-        super().__init__(inputs, method)
+    def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
+        super().__init__(inputs, method, with_data=with_data)
         from peft import AdaLoraConfig, get_peft_model
 
         r = inputs.config

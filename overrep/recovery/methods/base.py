@@ -69,8 +69,11 @@ class MethodRun:
     search_seconds: float = 0.0
     searched_now: bool = False
 
-    def __init__(self, inputs: MethodInputs, method: Method):
-        self.inputs, self.method = inputs, method
+    def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
+        # with_data=False: set up without the data-dependent preparation (a layer-wise
+        # method's feature cache, a search or probe that is not cached): ``overrep plan``
+        # and re-exporting from checkpoints build a method this way
+        self.inputs, self.method, self.with_data = inputs, method, with_data
         self.model = inputs.pruned  # the compact model :meth:`finish` leaves behind
 
     def model_for(self, preset) -> nn.Module:

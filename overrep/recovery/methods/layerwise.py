@@ -25,7 +25,7 @@ class LayerwiseRun(MethodRun):
     re-exporting from checkpoints)."""
 
     def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
-        super().__init__(inputs, method)
+        super().__init__(inputs, method, with_data=with_data)
         r, teacher, plan = inputs.config, inputs.teacher, inputs.plan
         self.preset = get_preset(method.preset or r.preset)
         model = self.model_for(self.preset)

@@ -384,12 +384,11 @@ def cached_search(path: Path, key: str) -> dict | None:
 class RankAdaptorRun(AdapterRun):
     """LoRA with the per-block ranks RankSearch found (read from its cache when it ran before).
 
-    ``search=False`` (no data: ``overrep plan``, re-exporting) only reads the cache; with none
+    ``with_data=False`` (``overrep plan``, re-exporting) only reads the cache; with none
     there the ranks are uniform (the same trainable count)."""
 
-    def __init__(self, inputs: MethodInputs, method: Method, *, search: bool = True):
-        self.allow_search = search
-        super().__init__(inputs, method)
+    def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
+        super().__init__(inputs, method, with_data=with_data)
         check_ranks(self.peft_model, self.by_block, self.block_ranks)
 
     def lora_config(self, targets: list[str], rank: int, alpha: float):
@@ -399,7 +398,7 @@ class RankAdaptorRun(AdapterRun):
         world = inputs.teacher.world
         with world.main_first():  # several ranks: rank 0 searches, the others may find it in the cache
             found = cached_search(path, key)
-            if found is None and self.allow_search:
+            if found is None and self.with_data:
                 with torch.random.fork_rng():  # the final LoRA's initialisation does not depend on the search
                     found = {**RankSearch(inputs, self.by_block).run(), "key": key}
                 write_json(path, found, "the RankAdaptor search result")

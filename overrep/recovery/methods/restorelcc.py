@@ -187,8 +187,8 @@ class CompensationLanguageModeling(LanguageModeling):
 class RestoreLCCRun(MethodRun):
     """RestoreLCC on one block-pruned model: probe, select, compensate, train, merge."""
 
-    def __init__(self, inputs: MethodInputs, method: Method):
-        super().__init__(inputs, method)
+    def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
+        super().__init__(inputs, method, with_data=with_data)
         r, model = inputs.config, inputs.pruned
         if not isinstance(inputs.plan, PrunePlan):
             raise OverRepError("restorelcc pairs each retained block with the same dense block; it needs block "

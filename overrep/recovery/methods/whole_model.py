@@ -15,8 +15,8 @@ from .base import Method, MethodRun, at_last_trained_step, check_fold, logits_of
 class OvercompleteKDRun(MethodRun):
     """OverRep's recovery blocks trained end to end on the logit-KD objective."""
 
-    def __init__(self, inputs: MethodInputs, method: Method):
-        super().__init__(inputs, method)
+    def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
+        super().__init__(inputs, method, with_data=with_data)
         self.preset = get_preset(method.preset or inputs.config.preset)
         model = self.model_for(self.preset)
         self.modules = apply_preset(model, inputs.plan, self.preset)
@@ -40,8 +40,8 @@ class OvercompleteKDRun(MethodRun):
 class FullRun(MethodRun):
     """Every retained block trainable (embeddings, head and final norm frozen)."""
 
-    def __init__(self, inputs: MethodInputs, method: Method):
-        super().__init__(inputs, method)
+    def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
+        super().__init__(inputs, method, with_data=with_data)
         model = inputs.pruned
         model.requires_grad_(False)
         for layer in decoder_layers(model):
