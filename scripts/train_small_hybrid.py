@@ -21,24 +21,15 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, NemotronHConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, NemotronHConfig
 
 from overrep.data.documents import load_documents
 from overrep.data.text import mixture_parts, token_splits
+from overrep.data.tokenizer import train_bpe_tokenizer
+from overrep.model.perplexity import perplexity
 
 SOURCE = "embedded+c4+ptb-train"
 PATTERN = "M-M*-M-M*-M-"
-
-
-def train_tokenizer(docs: list[str], vocab: int) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(docs, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
 
 
 def config(vocab: int, eos: int) -> NemotronHConfig:
@@ -48,19 +39,6 @@ def config(vocab: int, eos: int) -> NemotronHConfig:
         mamba_num_heads=8, mamba_head_dim=64, n_groups=1, ssm_state_size=32, conv_kernel=4, chunk_size=64,
         max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos,
         pad_token_id=eos)
-
-
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor, batch: int = 8) -> float:
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, ids.shape[0], batch):
-        x = ids[i:i + batch]
-        out = model(input_ids=x, labels=x, use_cache=False)
-        n = x.numel() - x.shape[0]
-        total, count = total + out.loss.item() * n, count + n
-    model.train()
-    return math.exp(total / count)
 
 
 def main() -> None:
@@ -75,7 +53,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.manual_seed(a.seed)
     docs = [d for part in mixture_parts(SOURCE) for d in load_documents(part, seed=a.seed)]
-    tok = train_tokenizer(docs, a.vocab)
+    tok = train_bpe_tokenizer(docs, a.vocab)
     train_ids, heldout_ids, info = token_splits(SOURCE, tok, seq_len=a.seq_len, train_sequences=4200,
                                                 heldout_sequences=64, seed=a.seed, progress=False)
     model = AutoModelForCausalLM.from_config(config(len(tok), tok.eos_token_id), dtype=torch.float32)
@@ -100,7 +78,7 @@ def main() -> None:
             rate = step / (time.perf_counter() - t0)
             rec = {"step": step, "loss": loss.item(), "seconds": time.perf_counter() - t0}
             if step % 250 == 0 or step == a.steps:
-                rec["heldout_ppl"] = perplexity(model, heldout_ids)
+                rec["heldout_ppl"] = perplexity(model, heldout_ids, progress=False)
             log.append(rec)
             print(f"step {step}/{a.steps} loss {loss.item():.3f} {rate:.2f} steps/s "
                   f"eta {(a.steps - step) / rate:.0f} s" + (f" held-out ppl {rec['heldout_ppl']:.1f}"

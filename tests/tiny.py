@@ -9,6 +9,8 @@ import torch
 from transformers import (AutoModelForCausalLM, BambaConfig, Gemma3TextConfig, LlamaConfig, MistralConfig,
                           NemotronHConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
+from overrep.data.tokenizer import train_bpe_tokenizer
+
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
               tie_word_embeddings=True)
@@ -64,16 +66,7 @@ def tiny_ids(batch: int = 2, seq: int = 16, vocab: int = 97, seed: int = 0) -> t
 
 def tiny_tokenizer(texts: list[str], vocab_size: int = 300):
     """A small byte-level BPE tokenizer trained in code on ``texts``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+    return train_bpe_tokenizer(texts, vocab_size)
 
 
 def make_tiny_model_dir(path, texts: list[str], arch: str = "llama", seed: int = 0):
