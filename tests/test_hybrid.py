@@ -22,7 +22,7 @@ from overrep.model.arch import block_parts, check_supported, decoder_layers, fin
 from overrep.model.hooks import capture_layer_context, module_context, teacher_features
 from overrep.model.presets import Preset, get_preset
 from overrep.model.surgery import can_stitch, plan_pruning, prune, remove_layers
-from overrep.model.wrap import apply_preset, has_wrappers, merge_recovery
+from overrep.model.wrap import apply_preset, has_wrappers, merge_recovery, plan_recovery, recoverable_blocks
 from overrep.pruning.criteria import get_criterion
 
 from test_core import perturb
@@ -199,6 +199,31 @@ def test_merge_is_exact_and_exports_identically(preset, remove, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert torch.allclose(again(ids).logits, after, atol=1e-6, rtol=0)
     assert again.config.hybrid_override_pattern == pattern(model)
+
+
+def test_a_module_counts_only_the_blocks_its_preset_can_train():
+    """Pattern M*-M-*: a module around removed blocks 1-2 crosses the frozen Mamba blocks 0
+    and 3 and ends once it holds two blocks that learn (MLP 4, attention 5); one around
+    block 4 starts at the MLP block 2 before the Mamba block 3."""
+    model = tiny_model(ARCH)
+    assert recoverable_blocks(model, get_preset("hybrid")) == [False, True, True, False, True, True]
+    assert recoverable_blocks(model, get_preset("plain")) == [False, True, True, False, True, True]
+    mamba_in = Preset.from_dict({**MAMBA_W_D, "name": "mamba-in"})
+    assert all(recoverable_blocks(model, mamba_in))  # a preset naming 'in' trains Mamba blocks too
+    plan = plan_recovery(model, [1, 2], get_preset("hybrid"), blocks=2)
+    assert plan.groups[0].module_layers == [0, 3, 4, 5] and plan.groups[0].final_norm
+    assert plan_pruning(6, [1, 2], blocks=2).groups[0].module_layers == [0, 3]  # counted by position
+    assert plan_recovery(model, [1, 2], mamba_in, blocks=2).groups[0].module_layers == [0, 3]
+    assert plan_recovery(model, [2, 3], get_preset("hybrid")).groups[0].module_layers == [1, 4]  # both learn
+    (g,) = plan_recovery(model, [4], get_preset("hybrid")).groups  # block 1: MLP 2, the nearest that learns
+    assert (g.module_layers, g.input_layer, g.target_layer, g.stitch) == ([2, 3, 5], 2, 5, {})
+    llama = tiny_model("llama")  # a transformer: every block learns, the plan is positional
+    assert plan_recovery(llama, [2, 3], get_preset("hybrid")).to_dict() == plan_pruning(6, [2, 3]).to_dict()
+    by_kind = recovery_account(model.config, [1, 2], "hybrid")["trainable_params"]
+    prune(model, plan)
+    modules = apply_preset(model, plan, get_preset("hybrid"))
+    assert by_kind == sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
+    assert any(isinstance(x, OvercompleteLinear) for b in modules[0].blocks for x in b.modules())
 
 
 def test_mamba_projection_keys_only_where_presets_name_them():

@@ -36,7 +36,8 @@ from ..model.arch import check_supported, decoder_layers
 from ..model.loading import load_model
 from ..model.runtime import digest, model_fingerprint, peak_memory_bytes, resolve_device
 from ..model.surgery import can_stitch, parse_layers, plan_pruning, prune
-from ..model.wrap import count_parameters
+from ..model.presets import get_preset
+from ..model.wrap import count_parameters, plan_recovery
 from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION
 from ..recovery.budget import Deadline, parse_duration
@@ -135,8 +136,8 @@ class Pipeline(BudgetStages):
             self.select_widths()
         else:
             self.select_blocks()
-            self.plan = plan_pruning(self.num_layers, self.selection.removed,
-                                     blocks=self.method.blocks or r.blocks, block1_init=r.block1_init)
+            self.plan = plan_recovery(self.dense, self.selection.removed, get_preset(self.method.preset or r.preset),
+                                      blocks=self.method.blocks or r.blocks, block1_init=r.block1_init)
         layers = decoder_layers(self.dense)
         for g in self.plan.groups:  # a block a criterion already rewrote (LaCo) keeps its weights,
             for target, source in list(g.stitch.items()):  # and a hybrid's one-part block its own

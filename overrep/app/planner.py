@@ -37,9 +37,9 @@ from ..errors import OverRepError
 from ..model.accounting import blocks_for_ratio, counted_parameters, meta_model, recovery_account
 from ..model.arch import check_supported, decoder_layers
 from ..model.flops import blocks_macs
-from ..model.presets import BUILTIN_PRESETS
+from ..model.presets import BUILTIN_PRESETS, get_preset
 from ..model.surgery import parse_layers, plan_pruning
-from ..model.wrap import count_parameters
+from ..model.wrap import count_parameters, plan_recovery
 from ..pruning.last import last_but_final
 
 STATE_FRACTION = 0.5
@@ -198,7 +198,8 @@ def make_plan(config, opts: PlanOptions, source: str = "") -> dict:
     opts.check()
     model = _model(config)
     removal = _removal(model, opts)
-    plan = plan_pruning(removal["num_layers"], removal["removed"], blocks=opts.blocks, block1_init=opts.block1_init)
+    plan = plan_recovery(model, removal["removed"], get_preset(opts.preset), blocks=opts.blocks,
+                         block1_init=opts.block1_init)
     rows = _preset_rows(config, removal["removed"], opts)
     chosen = next(r for r in rows if r["selected"])
     teacher = _teacher(model, plan, opts)

@@ -15,8 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from .arch import decoder_layers
 from .flops import blocks_macs
 from .presets import Preset, get_preset
-from .wrap import apply_preset, count_parameters
-from .surgery import plan_pruning, prune
+from .wrap import apply_preset, count_parameters, plan_recovery
+from .surgery import prune
 
 _ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32
 
@@ -73,7 +73,7 @@ def recovery_account(config: PretrainedConfig | str, removed: list[int], preset:
     model = meta_model(config)
     dense_params = count_parameters(model)
     num_layers = len(decoder_layers(model))
-    plan = plan_pruning(num_layers, removed, blocks=blocks, block1_init=block1_init)
+    plan = plan_recovery(model, removed, preset, blocks=blocks, block1_init=block1_init)
     prune(model, plan)
     compact_params = count_parameters(model)
     modules = apply_preset(model, plan, preset)

@@ -118,8 +118,16 @@ class PrunePlan:
 
 
 def plan_pruning(num_layers: int, removed: list[int], *, blocks: int = 2,
-                 block1_init: str = "stitched") -> PrunePlan:
-    """Validate ``removed`` and lay out the recovery module(s) for it."""
+                 block1_init: str = "stitched", recoverable: list[bool] | None = None) -> PrunePlan:
+    """Validate ``removed`` and lay out the recovery module(s) for it.
+
+    A run's module is the retained block before it (block 1) plus the blocks after it, until
+    it holds ``blocks`` blocks that ``recoverable`` marks (default: every block, and then the
+    module is simply ``blocks`` blocks long). In a hybrid model a block whose only mixer stays
+    frozen (Mamba-2) is crossed but not counted: block 1 is the nearest block before the run
+    that can learn, and the module extends past the run until ``blocks`` blocks can learn
+    (see :func:`overrep.model.wrap.plan_recovery`).
+    """
     removed = sorted(set(removed))
     if not removed:
         raise OverRepError("nothing to remove: the removal list is empty")
@@ -133,17 +141,39 @@ def plan_pruning(num_layers: int, removed: list[int], *, blocks: int = 2,
         raise OverRepError(f"recovery.blocks must be >= 1, got {blocks}")
     if block1_init not in ("stitched", "retained"):
         raise OverRepError(f"recovery.block1_init must be 'stitched' or 'retained', got '{block1_init}'")
+    if recoverable is None:
+        recoverable = [True] * num_layers
+    if len(recoverable) != num_layers:
+        raise OverRepError(f"recoverable marks {len(recoverable)} blocks, the model has {num_layers}")
     gone = set(removed)
     kept = [i for i in range(num_layers) if i not in gone]
+
+    def take(candidates: list[int], need: int) -> list[int]:
+        """The shortest prefix of ``candidates`` holding ``need`` recoverable blocks."""
+        out: list[int] = []
+        for i in candidates:
+            if need <= 0:
+                break
+            out.append(i)
+            need -= bool(recoverable[i])
+        return out
+
+    def lead_in(before: list[int]) -> list[int]:
+        """The retained blocks before a run back to the nearest one that can learn (just the
+        adjacent block when none can)."""
+        for k in range(len(before) - 1, -1, -1):
+            if recoverable[before[k]]:
+                return before[k:]
+        return before[-1:]
+
     groups: list[RecoveryGroup] = []
     for a, b in contiguous_runs(removed):
+        lead = lead_in([i for i in kept if i < a])
         after = [i for i in kept if i > b]
-        if a > 0:
-            layers = [a - 1] + after[: blocks - 1]
-            stitch = {a - 1: b} if block1_init == "stitched" else {}
-        else:
-            layers = after[:blocks]
-            stitch = {}
+        layers = lead + take(after, blocks - bool(lead and recoverable[lead[0]]))
+        # block 1 is stitched (the attention of the block before, the MLP of the run's last
+        # block) only when it is the block right before the run
+        stitch = {a - 1: b} if block1_init == "stitched" and lead == [a - 1] else {}
         # The module reproduces the dense model up to its last block; a module that is only
         # the block before the run (blocks=1) reproduces the run's output instead.
         target = layers[-1] if layers[-1] > b else b

@@ -23,7 +23,8 @@ from ..core.precision import autocast
 from .presets import Preset
 from ..core.projection import MergeRefused, OvercompleteLinear, ReparamNorm
 from ..core.schedule import AlphaSchedule, AnnealedActivation
-from .surgery import PrunePlan, RecoveryGroup
+from .mamba import MAMBA_PROJ
+from .surgery import PrunePlan, RecoveryGroup, plan_pruning
 from .width import PRUNED_SIDE, WidthPlan, patch_width_config, set_attention_groups
 from ..errors import OverRepError
 
@@ -95,6 +96,29 @@ def _wrap_block(layer: nn.Module, index: int, spec, preset: Preset, act: Anneale
     if spec.norm_reparam:
         for parent, attr in parts.norms.values():
             setattr(parent, attr, ReparamNorm(getattr(parent, attr), train_base=spec.train_base))
+
+
+def recoverable_blocks(model: nn.Module, preset: Preset) -> list[bool]:
+    """Per decoder block of ``model``: whether ``preset`` trains anything in it beyond its
+    norms. False only for a hybrid model's Mamba-2 block (mixer kept frozen) when no block
+    spec names ``in``; attention, MLP and MoE blocks always have a part that learns."""
+    named = {k for spec in preset.blocks for k in spec.w + spec.d}
+    learns = named or any(spec.train_base for spec in preset.blocks)
+    marks = []
+    for i, layer in enumerate(decoder_layers(model)):
+        parts = block_parts(layer, i)
+        own = [k for k in parts.projections if k not in MAMBA_PROJ]
+        marks.append(bool(learns and (own or parts.experts is not None))
+                     or any(k in named for k in parts.projections if k in MAMBA_PROJ))
+    return marks
+
+
+def plan_recovery(model: nn.Module, removed: list[int], preset: Preset, *, blocks: int = 2,
+                  block1_init: str = "stitched") -> PrunePlan:
+    """:func:`~overrep.model.surgery.plan_pruning` for ``model``: each run's module holds
+    ``blocks`` blocks that ``preset`` can train (:func:`recoverable_blocks`)."""
+    return plan_pruning(len(decoder_layers(model)), removed, blocks=blocks, block1_init=block1_init,
+                        recoverable=recoverable_blocks(model, preset))
 
 
 def apply_preset(model: nn.Module, plan: PrunePlan | WidthPlan, preset: Preset,
