@@ -71,6 +71,16 @@ def test_fit_steps_counts_the_features_of_the_rows_it_will_train_on():
     assert fit_steps(100.0, costs, 10, 10) == 88  # all 24 rows cached (12 s), then 88 steps
 
 
+def test_more_passes_buy_more_steps_on_fewer_rows():
+    """``recovery.budget_passes``: each cached row planned to be seen twice halves the rows
+    a step count needs, so a budget dominated by features fits more steps."""
+    once = StepCosts(step=1.0, validation=0.0, checkpoint=0.0, row=0.5, rows_per_step=4, max_rows=24)
+    twice = StepCosts(step=1.0, validation=0.0, checkpoint=0.0, row=0.5, rows_per_step=4, max_rows=24, passes=2)
+    assert twice.rows(3) == 6 and twice.rows(1) == 4  # at least one step's batch
+    assert fit_steps(9.0, once, 10, 10) == 3 and fit_steps(9.0, twice, 10, 10) == 4  # 4 s + 8 rows x 0.5 s
+    assert twice.rows(100) == once.rows(100) == 24  # a long budget caches everything either way
+
+
 def test_a_short_budget_caches_only_the_rows_it_trains_on(assets, tmp_path, monkeypatch):
     """Layer-wise method, disk cache: the probe fixes steps and rows together, and the cache
     holds exactly ``steps x batch`` rows (each seen once) when that is less than the data."""

@@ -51,12 +51,13 @@ class BudgetStages:
             finally:
                 self.teacher.mode = self.cfg.cache.mode
             costs = dataclasses.replace(costs, row=self.teacher.row_seconds, rows_per_step=per_step,
-                                        max_rows=self.train_ids.shape[0])
+                                        max_rows=self.train_ids.shape[0], passes=r.budget_passes)
             left = budget - (time.perf_counter() - self.recovery_started) - max(0.0, rebuild)
             total = self.fit_budget(costs, left, info)
             log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps on "
                      "%d rows", budget, costs.step, costs.row, left, total, costs.rows(total))
-        rows = min(self.train_ids.shape[0], total * per_step)
+        rows = StepCosts(0, 0, 0, rows_per_step=per_step, max_rows=self.train_ids.shape[0],
+                         passes=r.budget_passes).rows(total)
         self.train_ids = self.train_ids[:rows]
         self.teacher.use_rows(rows)
         self.total_steps = info["steps"] = total

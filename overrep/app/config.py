@@ -46,6 +46,7 @@ class RecoveryConfig:
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)
     time_budget: str | None = "15m"  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
+    budget_passes: float = 1.0  # time budget, layer-wise methods on the disk cache: passes over each cached row the step count is planned for (1: a short budget sees each row once; 2: half the rows, cheaper features, more steps)
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
     lr: float | None = None  # peak learning rate (AdamW); None = the method's default (overrep: 1e-3, chosen by measurement)
@@ -174,6 +175,8 @@ class RunConfig:
             from ..recovery.budget import parse_duration
 
             parse_duration(r.time_budget)
+        if not (r.budget_passes >= 1 and math.isfinite(r.budget_passes)):
+            raise OverRepError(f"recovery.budget_passes must be a number >= 1, got {r.budget_passes}")
         if r.steps is None and r.epochs <= 0:
             raise OverRepError(f"recovery.epochs must be > 0, got {r.epochs}")
         for name, v in (("batch_size", r.batch_size), ("grad_accum", r.grad_accum),

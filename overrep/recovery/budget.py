@@ -23,8 +23,11 @@ budget does not pay for features it will never train on: they time the teacher o
 rows and a few steps on those rows' features (``cache.mode: probe``), then fix the step
 count *and* the number of training rows to cache together (``StepCosts.row``: building
 one row's features; a run needs ``steps x batch`` rows, at most the data it has), and only
-then build the cache. Short budgets cache fewer rows and see each once; long ones cache
-all the data and go over it several times.
+then build the cache. Short budgets cache fewer rows and see each ``recovery.budget_passes``
+times (default once); long ones cache all the data and go over it several times. Where a
+row's features cost more than its share of a step (a short budget, a deep mask), more
+passes over fewer rows buy more steps for the same seconds; whether those steps are worth
+more than fresh rows is measured in docs/results.md.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class StepCosts:
     """Measured seconds: one optimiser step (``step``: averaged over the schedule's phases;
     ``anneal``: in the α > 0 phase, where a run starts), one validation, one checkpoint;
     optionally the features of one new training row (``row``, for ``rows_per_step`` rows a
-    step, at most ``max_rows`` in all)."""
+    step, at most ``max_rows`` in all, each planned to be seen ``passes`` times)."""
 
     step: float
     validation: float
@@ -66,10 +69,12 @@ class StepCosts:
     row: float = 0.0
     rows_per_step: int = 0
     max_rows: int = 0
+    passes: float = 1.0
 
     def rows(self, steps: int) -> int:
-        """Training rows ``steps`` steps need features for."""
-        return min(self.max_rows, steps * self.rows_per_step)
+        """Training rows ``steps`` steps need features for (at least one step's worth)."""
+        need = math.ceil(steps * self.rows_per_step / self.passes)
+        return min(self.max_rows, max(need, self.rows_per_step))
 
     def run_seconds(self, steps: int, eval_every: int, checkpoint_every: int) -> float:
         return (steps * self.step + math.ceil(steps / eval_every) * self.validation
