@@ -68,6 +68,25 @@ def test_grid_runs_caches_and_extends(assets, tmp_path, capsys):
         ("plain", "wallclock")}
 
 
+def test_a_grid_finds_its_cells_by_a_relative_path_or_after_a_move(assets, tmp_path, monkeypatch):
+    config = grid_file(assets, tmp_path, methods=["plain"], budgets=["epochs"])
+    assert main(["compare", "--config", config, "--quiet"]) == 0
+    (cell,) = (tmp_path / "grid" / "cells").glob("*/metrics.json")
+    stamp = cell.stat().st_mtime_ns
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--config", config, "--output", "grid", "--quiet"]) == 0
+    (tmp_path / "grid").rename(tmp_path / "moved")
+    assert main(["compare", "--config", config, "--output", str(tmp_path / "moved"), "--quiet"]) == 0
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "moved" / "cells").glob("*/metrics.json")] == [stamp]
+    # a cell named by an earlier hash (one that held the grid's path) is found by its settings
+    (d,) = [p for p in (tmp_path / "moved" / "cells").iterdir() if p.is_dir()]
+    old = d.with_name(d.name.rsplit("-", 1)[0] + "-0123456789")
+    d.rename(old)
+    d.with_name(d.name + ".yaml").rename(old.with_name(old.name + ".yaml"))
+    assert main(["compare", "--config", config, "--output", str(tmp_path / "moved"), "--quiet"]) == 0
+    assert [p.parent for p in (tmp_path / "moved" / "cells").glob("*/metrics.json")] == [old]
+
+
 def test_benchmark_rp_is_collected_for_every_cell(assets, tmp_path):
     """RP through the evaluation command: dense once, the pruned model, each recovered cell."""
     config = grid_file(assets, tmp_path, methods=["overrep"], budgets=["epochs"],

@@ -282,8 +282,8 @@ def write_jsonl(path, docs):
 def test_token_splits_shapes_disjointness_and_info(tmp_path, tok):
     docs = make_docs(200, length=20)
     source = write_jsonl(tmp_path / "c.jsonl", docs)
-    train, held, info = data.token_splits(source, tok, seq_len=16, train_sequences=50, heldout_sequences=10,
-                                          progress=False)
+    train, held, _, info = data.token_splits(source, tok, seq_len=16, train_sequences=50, heldout_sequences=10,
+                                             progress=False)
     assert train.shape == (50, 16) and held.shape == (10, 16)
     # The held-out side holds just enough documents for its rows: 10 * 16 / 21 tokens each.
     assert info["heldout_documents"] == 8
@@ -305,9 +305,29 @@ def test_token_splits_deterministic_and_seeded(tmp_path, tok):
     a = data.token_splits(source, tok, **kwargs)
     b = data.token_splits(source, tok, **kwargs)
     c = data.token_splits(source, tok, seed=7, **kwargs)
-    assert a[2] == b[2] and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert c[2]["train_fingerprint"] != a[2]["train_fingerprint"]
-    assert c[2]["heldout_fingerprint"] != a[2]["heldout_fingerprint"]
+    assert a.info == b.info and torch.equal(a.train, b.train) and torch.equal(a.heldout, b.heldout)
+    assert c.info["train_fingerprint"] != a.info["train_fingerprint"]
+    assert c.info["heldout_fingerprint"] != a.info["heldout_fingerprint"]
+
+
+def test_validation_rows_come_from_documents_no_other_split_uses(tmp_path, tok):
+    docs = make_docs(200, length=20)
+    source = write_jsonl(tmp_path / "c.jsonl", docs)
+    kwargs = dict(seq_len=16, train_sequences=50, heldout_sequences=10, progress=False)
+    plain = data.token_splits(source, tok, **kwargs)
+    s = data.token_splits(source, tok, validation_sequences=6, **kwargs)
+    assert plain.validation.shape == (0, 16) and plain.info["validation_sequences"] == 0
+    assert s.validation.shape == (6, 16) and s.info["validation_sequences"] == 6
+    # asking for validation rows changes neither the training rows nor the held-out rows
+    assert torch.equal(s.train, plain.train) and torch.equal(s.heldout, plain.heldout)
+    # they are the training documents after the last one the training rows use
+    train_docs, _ = data.split_documents(docs, heldout=s.info["heldout_documents"], seed=42)
+    spare = train_docs[s.info["train_documents_used"]:]
+    assert torch.equal(s.validation, data.pack_documents(spare, tok, 16, max_sequences=6, progress=False))
+    # a corpus with nothing to spare gives none (the run then scores no val_ppl), not an error
+    small = write_jsonl(tmp_path / "s.jsonl", make_docs(20, length=15))
+    assert data.token_splits(small, tok, seq_len=16, train_sequences=16, heldout_sequences=4,
+                             validation_sequences=4, progress=False).validation.shape[0] == 0
 
 
 def test_token_splits_too_few_sequences_says_how_many(tmp_path, tok):
@@ -336,12 +356,12 @@ def test_mixture_packs_each_source_and_keeps_held_out_rows_by_domain(tmp_path):
     (tmp_path / "b.txt").write_text("\n\n".join(b))
     tok = tiny_tokenizer(a + b)
     src = f"{tmp_path / 'a.txt'}+{tmp_path / 'b.txt'}"
-    train, held, info = token_splits(src, tok, seq_len=16, train_sequences=9, heldout_sequences=4, progress=False)
+    train, held, _, info = token_splits(src, tok, seq_len=16, train_sequences=9, heldout_sequences=4, progress=False)
     assert train.shape == (9, 16) and held.shape == (4, 16)
     (ca, cb) = info["components"]
     assert ca["heldout_rows"] == [0, 2] and cb["heldout_rows"] == [2, 4]
     assert ca["train_sequences"] == 5 and cb["train_sequences"] == 4
-    _, held_a, _ = token_splits(str(tmp_path / "a.txt"), tok, seq_len=16, train_sequences=5, heldout_sequences=2,
+    _, held_a, _, _ = token_splits(str(tmp_path / "a.txt"), tok, seq_len=16, train_sequences=5, heldout_sequences=2,
                                 progress=False)
     assert torch.equal(held[:2], held_a)  # each source is split exactly as it would be alone
     river, planet = tok.encode(" river")[0], tok.encode(" planet")[0]

@@ -122,7 +122,7 @@ def test_each_loss_runs_through_the_cli(assets, tmp_path, loss, remove):
     m = json.loads((out / "metrics.json").read_text())
     assert m["recovered_ppl"] > 0 and m["merge_max_abs_diff"] <= 1e-4
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert any(r.get("val_ppl") for r in log)  # held-out perplexity while training
+    assert any(r.get("val_ppl") for r in log)  # validation perplexity while training
     assert RunConfig.load(out / "config.yaml").recovery.loss == loss
 
 
@@ -143,7 +143,7 @@ def test_val_ppl_matches_the_pruned_model_as_it_stands(assets, tmp_path):
     from overrep.model.perplexity import perplexity
 
     ppl = pipe.recovery.objective.validation_ppl()
-    assert ppl == pytest.approx(perplexity(pipe.pruned, pipe.heldout_ids[:8], progress=False))
+    assert ppl == pytest.approx(perplexity(pipe.pruned, pipe.val_ids, progress=False))
 
 
 def test_topk_kl_with_the_rest_bucket_sees_mass_outside_the_support():

@@ -16,7 +16,7 @@ import torch
 
 from ..recovery.budget import StepCosts, fit_steps, parse_duration
 from ..recovery.methods import build_recovery
-from ..recovery.teacher import PROBE_ROWS, MethodInputs
+from ..recovery.teacher import PROBE_ROWS
 
 log = logging.getLogger("overrep.app.pipeline")
 
@@ -42,10 +42,8 @@ class BudgetStages:
         if total is None:
             self.teacher.mode = "probe"
             try:
-                inputs = MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,
-                                      self.heldout_ids, self.total_steps, self.teacher)
                 t0 = time.perf_counter()
-                self.recovery = build_recovery(inputs, self.method)
+                self.recovery = build_recovery(self.method_inputs(), self.method)
                 rebuild = time.perf_counter() - t0 - PROBE_ROWS * self.teacher.row_seconds  # paid again below
                 costs = self.make_trainer().measure()
             finally:

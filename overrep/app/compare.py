@@ -198,9 +198,38 @@ class Compare:
             extra["recovery"]["time_budget"] = None
         config = _deep_update(self.base, extra)
         config.pop("output", None)
-        name = f"{criterion}-{ratio:g}-{method}-{budget}-{_hash(config)}"
-        d = self.out / "cells" / name
+        prefix = f"{criterion}-{ratio:g}-{method}-{budget}-"
+        settings = self.settings(config)
+        d = self.out / "cells" / f"{prefix}{_hash(settings)}"
+        if not d.is_dir():
+            d = self.found_cell(prefix, settings) or d
         return Cell(criterion, ratio, method, budget, {**config, "output": str(d)}, d, seed)
+
+    def settings(self, config: dict) -> dict:
+        """What identifies a cell: its run settings without where this grid folder lies (its
+        own output folder, and a cache folder inside the grid as a path relative to it), so
+        a grid reached by a relative or an absolute path, or moved, finds its cells."""
+        out = copy.deepcopy(config)
+        own = out.pop("output", None)  # a written cell's: <grid>/cells/<name>
+        root = Path(own).resolve().parents[1] if own else self.out.resolve()
+        cache = out.get("cache", {}).get("dir")
+        if cache and Path(cache).resolve().is_relative_to(root):
+            out["cache"]["dir"] = "<grid>/" + Path(cache).resolve().relative_to(root).as_posix()
+        return out
+
+    def found_cell(self, prefix: str, settings: dict) -> Path | None:
+        """A cell folder of the same settings under another name (written with the grid's
+        path in its name's hash, as earlier versions did)."""
+        key = _hash(settings)
+        for request in sorted((self.out / "cells").glob(f"{prefix}*.yaml")):
+            d = request.with_suffix("")
+            try:
+                same = d.is_dir() and _hash(self.settings(yaml.safe_load(request.read_text()))) == key
+            except (OSError, yaml.YAMLError, AttributeError):
+                continue
+            if same:
+                return d
+        return None
 
     def epoch_cells(self, criterion: str, ratio: float, seed: int = 0) -> list[Cell]:
         ref = self.cfg.reference
@@ -363,6 +392,7 @@ class Compare:
             "train_seconds": m.get("train_seconds"), "feature_seconds": t.get("cache", 0.0),
             "criterion_seconds": t.get("criterion", 0.0), "peak_memory_bytes": m.get("peak_memory_bytes"),
             "model_dir": m.get("model_dir"), "merge_max_abs_diff": m.get("merge_max_abs_diff"),
+            "kept_step": (m.get("keep_best") or {}).get("step"),  # recovery.keep_best's choice
         })
         row["search_seconds"] = t.get("search", 0.0)  # a method's own search before training (rankadaptor)
         row["recovery_seconds"] = row["train_seconds"] + row["feature_seconds"] + row["search_seconds"]

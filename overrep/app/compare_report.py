@@ -45,6 +45,12 @@ def _gb(v) -> str:
     return "–" if v is None else f"{v / 2**30:.2f}"
 
 
+def _steps(row: dict) -> str:
+    """Steps trained, and the one ``recovery.keep_best`` kept when it was an earlier one."""
+    kept = row.get("kept_step")
+    return f"{row['steps']}" if kept in (None, row["steps"]) else f"{row['steps']} (kept {kept})"
+
+
 def _rp(row: dict) -> str:
     rp = (row.get("rp") or {}).get("reasoning")
     return "–" if rp is None else f"{rp:.1f}"
@@ -83,7 +89,7 @@ def markdown(results: dict) -> str:
                 continue
             lines.append(
                 f"| {r['method']} | {r.get('seed', 0)} | {fmt_ppl(r['ppl'])} | {_rp(r)} | "
-                f"{r['trainable_params'] / 1e6:.2f}M | {r['recovery_ratio']:.3f} | {r['steps']} | {r['epochs']:.2f} | "
+                f"{r['trainable_params'] / 1e6:.2f}M | {r['recovery_ratio']:.3f} | {_steps(r)} | {r['epochs']:.2f} | "
                 f"{r['train_seconds']:.0f} | {r['feature_seconds']:.0f} | {r['recovery_seconds']:.0f} | "
                 f"{_gb(r['peak_memory_bytes'])} |")
         spread = [(m, ppl) for m, ppl in _by_method(ok).items() if len(ppl) > 1]

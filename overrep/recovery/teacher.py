@@ -123,7 +123,8 @@ class MethodInputs:
 
     ``config`` is the run's ``recovery`` section (learning rate resolved); ``total_steps``
     the step count the schedules span; ``teacher`` the dense side (features, loss
-    constants)."""
+    constants); ``val_ids`` the validation rows (training documents no training row uses)
+    that ``val_ppl`` and ``recovery.keep_best`` read, or None: neither then."""
 
     pruned: nn.Module
     dense: nn.Module
@@ -133,3 +134,4 @@ class MethodInputs:
     heldout_ids: torch.Tensor
     total_steps: int
     teacher: Teacher
+    val_ids: torch.Tensor | None = None

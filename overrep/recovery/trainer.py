@@ -12,6 +12,15 @@ cosine to ``lr * min_lr_ratio``. The annealed activation follows its own schedul
 Resume is exact: the batch order is a pure function of (seed, epoch), and a checkpoint
 holds the trainable tensors, the optimiser, the step and the history, so a run killed
 at any point and resumed reaches the same weights as one that never stopped.
+
+``recovery.keep_best``: every validation scores the perplexity of the model with the
+recovery in place on the validation rows (training documents no training row uses; never
+the held-out rows the report scores). The run ends at the scored step of lowest
+perplexity among those whose weights fold exactly (every annealed activation at α = 0, so
+only the final linear phase of an OverRep run; any step of a method without annealing)
+when it beats the last step, and records which in ``selected``. A layer-wise loss can
+keep falling while the language model gets worse (docs/results.md, Streamline at 10
+minutes); this is the guard.
 """
 
 from __future__ import annotations
@@ -119,6 +128,9 @@ class Trainer:
         self.seconds = 0.0
         self.deadline: Deadline | None = None  # a budgeted run: re-fit the step count once it has timed itself
         self.refit: dict | None = None  # what that re-fit measured and changed
+        self.last_val_ppl: float | None = None
+        self.best: dict | None = None  # recovery.keep_best: the best foldable weights so far (step, val_ppl, tensors)
+        self.selected: dict | None = None  # which step the run ended at, and why
         self.set_total(total_steps)
 
     def set_total(self, total: int) -> None:
@@ -166,10 +178,13 @@ class Trainer:
         if not (self.world.is_main or self.sharded):  # one writer; every rank reads it back on resume
             return path
         trainable, optimizer = trainable_state(self.objective), sharding.optimizer_state(self.opt)
+        best = None if self.best is None else {
+            "step": self.best["step"], "val_ppl": self.best["val_ppl"],
+            "tensors": None if self.best["step"] == self.step else [sharding.full(t) for t in self.best["tensors"]]}
         if not self.world.is_main:  # it took part in gathering the shards
             return path
         state = {"step": self.step, "total_steps": self.total, "fingerprint": self.fingerprint,
-                 "trainable": trainable, "optimizer": optimizer,
+                 "trainable": trainable, "optimizer": optimizer, "best": best,
                  "history": self.history, "seconds": self.seconds, "rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         save_torch(path, state, "checkpoint")
@@ -193,6 +208,14 @@ class Trainer:
         load_trainable_state(self.objective, state["trainable"])
         sharding.load_optimizer_state(self.opt, state["optimizer"])
         self.step, self.history, self.seconds = state["step"], state["history"], state["seconds"]
+        self.last_val_ppl = next((h["val_ppl"] for h in reversed(self.history) if h.get("val_ppl") is not None),
+                                 None)
+        best = state.get("best")
+        if best is not None:
+            params = self.objective.parameters()
+            tensors = ([p.detach().clone() for p in params] if best["tensors"] is None
+                       else [sharding.like(t, p) for t, p in zip(best["tensors"], params)])
+            self.best = {"step": best["step"], "val_ppl": best["val_ppl"], "tensors": tensors}
         if state.get("rng") is not None:  # dropout (LoRA) draws from it: resume draws the same masks
             torch.set_rng_state(state["rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
@@ -292,10 +315,11 @@ class Trainer:
                     rec["val_loss"] = obj.validation_loss()
                     rec["val_ppl"] = obj.validation_ppl()
                     self.last_val_ppl = rec["val_ppl"]
+                    self.note_best(rec["val_ppl"])
                 self.history.append(rec)
                 bar.update(1)
                 post = {"loss": f"{total:.4g}", "alpha": f"{rec['alpha']:.2f}", "lr": f"{rec['lr']:.2g}"}
-                if getattr(self, "last_val_ppl", None) is not None:
+                if self.last_val_ppl is not None:
                     post["val_ppl"] = f"{self.last_val_ppl:.4g}"
                 bar.set_postfix(**post)
                 if self.step % cfg.checkpoint_every == 0 or self.step == self.total:
@@ -306,11 +330,40 @@ class Trainer:
             raise OverRepError(f"interrupted at step {self.step} of {self.total}; progress saved to {path}; "
                                "rerun with --resume to continue") from None
         bar.close()
+        self.restore_best()
         for a in obj.activations:
             a.set_step(self.total)
         obj.train(False)
         tokens = self.tokens_per_sample * self.per_step * len(self.history)
         return TrainResult(self.total, self.seconds, tokens, self.history)
+
+    # ---- recovery.keep_best ---------------------------------------------------------
+    def foldable(self) -> bool:
+        """Whether the weights as they are now fold exactly (every annealed activation at α = 0)."""
+        return all(a.alpha == 0 for a in self.objective.activations)
+
+    def note_best(self, val_ppl: float | None) -> None:
+        if not self.cfg.keep_best or val_ppl is None or not math.isfinite(val_ppl) or not self.foldable():
+            return
+        if self.best is None or val_ppl < self.best["val_ppl"]:
+            self.best = {"step": self.step, "val_ppl": val_ppl,
+                         "tensors": [p.detach().clone() for p in self.objective.parameters()]}
+
+    def restore_best(self) -> None:
+        """End at the best foldable step when it beats the last one (``selected`` says which)."""
+        best, last = self.best, self.last_val_ppl
+        if best is None:
+            return
+        if best["step"] == self.step or last is None or not best["val_ppl"] < last:
+            self.selected = {"step": self.step, "val_ppl": last, "last_step": self.step, "last_val_ppl": last}
+            return
+        with torch.no_grad():
+            for p, t in zip(self.objective.parameters(), best["tensors"]):
+                p.copy_(t)
+        log.info("keep_best: the recovery ends at step %d (val_ppl %.4g), not at its last step %d (%.4g)",
+                 best["step"], best["val_ppl"], self.step, last)
+        self.selected = {"step": best["step"], "val_ppl": best["val_ppl"], "last_step": self.step,
+                         "last_val_ppl": last}
 
     def write_log(self, path: Path) -> None:
         write_text(path, "".join(json.dumps(r) + "\n" for r in self.history), "the training log")

@@ -48,11 +48,10 @@ class LayerwiseRun(MethodRun):
             source = _with_topk(source, values, indices)
             v, i = teacher_topk(inputs.dense, inputs.heldout_ids[:16], r.loss_topk)
             self.val_probe = [{**f, "topk_values": v, "topk_indices": i} for f in self.val_probe]
-        n_ppl = r.val_ppl_sequences
         self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, loss=r.loss, aux=aux,
                                    lam=r.loss_lambda, switch=r.loss_switch, total_steps=inputs.total_steps,
-                                   ppl_model=model if n_ppl else None,
-                                   ppl_ids=inputs.heldout_ids[:n_ppl] if n_ppl else None,
+                                   ppl_model=model if inputs.val_ids is not None else None,
+                                   ppl_ids=inputs.val_ids,
                                    topk_rest=r.loss_topk_rest)
 
     def loss_constants(self, per_module: list[list[str]], full_ctx: list[dict]) -> list[dict]:

@@ -207,7 +207,7 @@ class RestoreLCCRun(MethodRun):
         self.heads = select_heads(self.probe.scores, r.restorelcc_heads)
         self.comp = HeadCompensation(model, self.heads, self.probe.directions, init_std=r.restorelcc_init_std,
                                      seed=r.seed)
-        self.objective = CompensationLanguageModeling(model, inputs.train_ids, inputs.heldout_ids[:8], self.comp)
+        self.objective = CompensationLanguageModeling(model, inputs.train_ids, inputs.val_ids, self.comp)
 
     def selected(self) -> list[dict]:
         kept = self.inputs.plan.kept

@@ -21,7 +21,7 @@ class OvercompleteKDRun(MethodRun):
         model = self.model_for(self.preset)
         self.modules = apply_preset(model, inputs.plan, self.preset)
         params = unique_trainable(self.modules)
-        self.objective = LogitDistillation(model, inputs.dense, inputs.train_ids, inputs.heldout_ids[:8],
+        self.objective = LogitDistillation(model, inputs.dense, inputs.train_ids, inputs.val_ids,
                                            params=params, activations=[m.activation for m in self.modules],
                                            decayed=set().union(*(pretrained_matrix_ids(m) for m in self.modules)),
                                            tau=inputs.config.kd_tau)
@@ -47,7 +47,7 @@ class FullRun(MethodRun):
         for layer in decoder_layers(model):
             layer.requires_grad_(True)
         if method.objective == "lm":
-            self.objective = LanguageModeling(model, inputs.train_ids, inputs.heldout_ids[:8])
+            self.objective = LanguageModeling(model, inputs.train_ids, inputs.val_ids)
         else:
-            self.objective = LogitDistillation(model, inputs.dense, inputs.train_ids, inputs.heldout_ids[:8],
+            self.objective = LogitDistillation(model, inputs.dense, inputs.train_ids, inputs.val_ids,
                                                tau=inputs.config.kd_tau)

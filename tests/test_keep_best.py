@@ -1,0 +1,115 @@
+"""``recovery.keep_best``: the run ends at its best foldable validation step, chosen on
+validation rows the report never scores, and a resumed run chooses the same step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from overrep.app.pipeline import Pipeline
+from overrep.recovery.objectives import Objective
+from overrep.recovery.trainer import Trainer
+
+from tiny import run_killed_at, tiny_cfg
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Every objective's validation perplexity follows ``script[step]`` (the step just
+    trained), and the trainable tensors at each scored step are kept in ``seen``."""
+    state = {"step": 0, "script": {}, "seen": {}}
+    step = Trainer._step
+
+    def stepping(self):
+        out = step(self)
+        state["step"] = self.step + 1
+        return out
+
+    def validation_ppl(self):
+        state["seen"][state["step"]] = [p.detach().clone() for p in self.parameters()]
+        return state["script"][state["step"]]
+
+    monkeypatch.setattr(Trainer, "_step", stepping)
+    for cls in {c for c in _subclasses(Objective)} | {Objective}:
+        if "validation_ppl" in cls.__dict__:
+            monkeypatch.setattr(cls, "validation_ppl", validation_ppl)
+    return state
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def _trained(cfg):
+    pipe = Pipeline(cfg, progress=False)
+    pipe.load(create_output=False)
+    pipe.prune()
+    pipe.build_recovery()
+    trainer = pipe.make_trainer()
+    trainer.run()
+    return trainer
+
+
+def test_a_method_without_annealing_ends_at_its_best_step(assets, tmp_path, scripted):
+    scripted["script"] = {1: 9.0, 2: 4.0, 3: 6.0, 4: 7.0, 5: 8.0, 6: 8.5}
+    trainer = _trained(tiny_cfg(assets, tmp_path / "p", recovery__method="plain", recovery__steps=6,
+                                recovery__eval_every=1))
+    assert trainer.selected == {"step": 2, "val_ppl": 4.0, "last_step": 6, "last_val_ppl": 8.5}
+    for p, kept in zip(trainer.objective.parameters(), scripted["seen"][2]):
+        assert torch.equal(p, kept)
+    assert not torch.equal(scripted["seen"][2][0], scripted["seen"][6][0])  # training did move them
+
+
+def test_overrep_chooses_only_among_steps_that_fold_exactly(assets, tmp_path, scripted):
+    # the lowest perplexity is at step 2, while the annealed activation is non-linear
+    scripted["script"] = {s: (1.0 if s == 2 else 20.0 - s) for s in range(1, 11)}
+    scripted["script"][9] = 5.0
+    trainer = _trained(tiny_cfg(assets, tmp_path / "o", recovery__steps=10, recovery__eval_every=1))
+    alpha = {h["step"]: h["alpha"] for h in trainer.history}
+    assert alpha[2] > 0 and alpha[9] == 0
+    assert trainer.selected["step"] == 9 and trainer.selected["last_val_ppl"] == 10.0
+    for p, kept in zip(trainer.objective.parameters(), scripted["seen"][9]):
+        assert torch.equal(p, kept)
+
+
+def test_off_or_best_at_the_end_keeps_the_last_step(assets, tmp_path, scripted):
+    scripted["script"] = {1: 9.0, 2: 4.0, 3: 6.0, 4: 7.0}
+    off = _trained(tiny_cfg(assets, tmp_path / "off", recovery__method="plain", recovery__steps=4,
+                            recovery__eval_every=1, recovery__keep_best=False))
+    assert off.selected is None
+    for p, last in zip(off.objective.parameters(), scripted["seen"][4]):
+        assert torch.equal(p, last)
+    scripted["script"] = {1: 9.0, 2: 4.0, 3: 6.0, 4: 3.0}
+    on = _trained(tiny_cfg(assets, tmp_path / "on", recovery__method="plain", recovery__steps=4,
+                           recovery__eval_every=1))
+    assert on.selected["step"] == on.selected["last_step"] == 4
+
+
+def test_the_choice_survives_a_kill_and_resume(assets, tmp_path, monkeypatch, scripted):
+    scripted["script"] = {2: 9.0, 4: 4.0, 6: 6.0, 8: 7.0}  # best at 4, killed at 7 (last checkpoint 6)
+    kw = dict(recovery__method="plain", recovery__eval_every=2, eval__latency=False)
+    ref = tmp_path / "ref"
+    Pipeline(tiny_cfg(assets, ref, **kw), progress=False).run()
+    out = tmp_path / "out"
+    cfg = tiny_cfg(assets, out, **kw)
+    run_killed_at(monkeypatch, cfg, 7)
+    Pipeline(cfg, resume=True, progress=False).run()
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["keep_best"]["step"] == 4 and m["keep_best"]["last_step"] == 8
+    assert "kept step 4" in (out / "report.md").read_text()
+    a, b = load_file(ref / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k
+
+
+def test_validation_rows_are_not_the_held_out_rows(assets, tmp_path):
+    pipe = Pipeline(tiny_cfg(assets, tmp_path / "v", data__validation_sequences=3), progress=False)
+    pipe.load(create_output=False)
+    assert pipe.val_ids.shape == (3, 32)
+    rows = {tuple(r) for r in pipe.heldout_ids.tolist()} | {tuple(r) for r in pipe.train_ids.tolist()}
+    assert not rows & {tuple(r) for r in pipe.val_ids.tolist()}
