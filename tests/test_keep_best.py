@@ -113,3 +113,22 @@ def test_validation_rows_are_not_the_held_out_rows(assets, tmp_path):
     assert pipe.val_ids.shape == (3, 32)
     rows = {tuple(r) for r in pipe.heldout_ids.tolist()} | {tuple(r) for r in pipe.train_ids.tolist()}
     assert not rows & {tuple(r) for r in pipe.val_ids.tolist()}
+
+
+def test_export_from_checkpoints_keeps_the_chosen_step(assets, tmp_path, scripted):
+    import shutil
+
+    from overrep.app.cli import main
+
+    scripted["script"] = {2: 9.0, 4: 4.0, 6: 6.0, 8: 7.0}
+    out = tmp_path / "run"
+    m = Pipeline(tiny_cfg(assets, out, recovery__method="plain", recovery__eval_every=2, eval__latency=False),
+                 progress=False).run()
+    assert m["keep_best"]["step"] == 4
+    before = load_file(out / "model" / "model.safetensors")
+    shutil.rmtree(out / "model")
+    (out / "metrics.json").unlink()
+    assert main(["export", "--output", str(out), "--quiet"]) == 0
+    after = load_file(out / "model" / "model.safetensors")
+    for k in before:
+        assert torch.equal(before[k], after[k]), k

@@ -175,6 +175,7 @@ def cmd_export(args) -> int:
     if trainer.step < trainer.total:
         raise OverRepError(f"training in '{out}' stopped at step {trainer.step} of {trainer.total}; "
                            "finish it with `overrep recover --resume` first")
+    trainer.restore_best()  # recovery.keep_best: the step the run chose, as the run itself did
     for a in p.recovery.objective.activations:
         a.set_step(trainer.total)
     p.merge()
