@@ -23,6 +23,11 @@ pruning = 25 % of the parameters, criterion "last"; or ``--remove``) and one bat
                   Plain at equal precision and against today's fp32 Plain, tokens/s over
                   today's fp32 OverRep step, and a schedule-weighted OverRep step (80 %
                   annealing + 20 % linear steps, the default alpha schedule).
+  whole_model     the whole-model methods a budget grid compares with (lora-iso: PEFT LoRA
+                  with OverRep's trainable count, language-model loss; overrep-kd: OverRep's
+                  W/D trained on KL to the dense logits, teacher forward included) stepped
+                  round-robin in fp32 and under bf16 autocast (recovery.precision), in one
+                  child: each method's bf16 speed-up, measured side by side.
 
 A ``cache_build`` child first builds the cache (batch x (warmup + steps) samples, in a
 temporary folder) and reports its rate. The training steps are the trainer's own
@@ -61,9 +66,10 @@ from pathlib import Path
 
 import torch
 
-CASES = ("overrep_cached", "overrep_live", "plain_cached", "full_backprop", "variants")
+CASES = ("overrep_cached", "overrep_live", "plain_cached", "full_backprop", "variants", "whole_model")
 PRESETS = {"overrep_cached": "hybrid", "overrep_live": "hybrid", "plain_cached": "plain-full",
-           "full_backprop": "hybrid", "cache_build": "hybrid", "variants": "hybrid"}
+           "full_backprop": "hybrid", "cache_build": "hybrid", "variants": "hybrid", "whole_model": "hybrid"}
+WHOLE_MODEL_METHODS = ("lora-iso", "overrep-kd")
 # name: (recovery preset, precision, alpha phase, folded linear-phase forward)
 VARIANTS = {
     "plain_fp32": ("plain-full", "fp32", None, True),
@@ -116,7 +122,7 @@ def flop_counter():
             lambda g, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(g, q, k, v)})
 
 
-def make_pipeline(args, case: str, preset: str | None = None):
+def make_pipeline(args, case: str, preset: str | None = None, method: str = "overrep"):
     from overrep.app.config import RunConfig
     from overrep.app.pipeline import Pipeline
 
@@ -124,12 +130,12 @@ def make_pipeline(args, case: str, preset: str | None = None):
     cfg = RunConfig.load(overrides={
         "model": {"source": args.model},
         "prune": {"remove": args.remove} if args.remove else {},
-        "recovery": {"preset": preset or PRESETS[case], "batch_size": args.batch, "threads": args.threads,
-                     "precision": args.precision},
+        "recovery": {"method": method, "preset": preset or PRESETS[case], "batch_size": args.batch,
+                     "threads": args.threads, "precision": args.precision},
         "data": {"source": args.data, "seq_len": args.seq_len, "heldout_sequences": 1,
                  "train_sequences": args.batch * (args.warmup + args.steps)},
         "cache": {"dir": str(work / "cache"), "mode": "live" if case == "overrep_live" else "disk"},
-        "output": str(work / f"run-{case}-{preset or PRESETS[case]}"),
+        "output": str(work / f"run-{case}-{method}-{preset or PRESETS[case]}"),
     })
     p = Pipeline(cfg, overwrite=True, progress=False)
     p.prepare_output()
@@ -163,7 +169,7 @@ def recovery_step_fn(p):
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         trainer.opt.step()
 
-    return step, sum(q.numel() for q in params), objective.activations[0]
+    return step, sum(q.numel() for q in params), (objective.activations or [None])[0]
 
 
 def variant_step_fn(p, precision: str, phase: str | None, fast: bool):
@@ -224,6 +230,42 @@ def run_variants(args, out: dict) -> dict:
         if phase == "annealing":
             res[name]["alpha"] = alphas[name]
     out["variants"] = res
+    return out
+
+
+def run_whole_model(args, out: dict) -> dict:
+    """Each WHOLE_MODEL_METHODS method stepped in fp32 and bf16, round-robin; medians."""
+    import statistics
+
+    fns, names = {}, []
+    for method in WHOLE_MODEL_METHODS:
+        p = make_pipeline(args, "whole_model", method=method)
+        p.build_recovery()
+        step, n, _ = recovery_step_fn(p)
+        out.setdefault("trainable_params", {})[method] = n
+        for precision in ("fp32", "bf16"):
+            def run(i, step=step, objective=p.recovery.objective, precision=precision):
+                objective.precision = precision
+                step(i)
+            fns[f"{method}_{precision}"] = run
+            names.append(f"{method}_{precision}")
+    times = {n: [] for n in names}
+    rounds = args.warmup + args.steps
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name](r)
+            dt = time.perf_counter() - t0
+            if r >= args.warmup:
+                times[name].append(dt)
+            log(f"whole_model: round {r + 1}/{rounds} {name} {dt:.3f} s" + (" (warm-up)" if r < args.warmup else ""))
+    tokens = args.batch * args.seq_len
+    res = {n: {"seconds_per_step_median": statistics.median(t), "seconds_per_step_min": min(t),
+               "tokens_per_second": tokens / statistics.median(t)} for n, t in times.items()}
+    for method in WHOLE_MODEL_METHODS:
+        res[f"{method}_bf16_speedup"] = (res[f"{method}_fp32"]["seconds_per_step_median"]
+                                         / res[f"{method}_bf16"]["seconds_per_step_median"])
+    out["whole_model"] = res
     return out
 
 
@@ -288,6 +330,8 @@ def run_child(args) -> dict:
     tokens, act = args.batch * args.seq_len, None
     if case == "variants":
         return run_variants(args, out)
+    if case == "whole_model":
+        return run_whole_model(args, out)
     if case == "full_backprop":
         p.dense = None  # the pruned model is a deep copy
         step, out["trainable_params"] = full_backprop_step_fn(p)
@@ -400,6 +444,9 @@ def run_parent(args) -> dict:
     keep = ("seconds_per_step", "seconds_per_step_min", "tokens_per_second", "peak_rss_mb", "train_peak_rss_mb",
             "flops_per_step", "achieved_flops_per_second", "trainable_params", "alpha")
     for c in cases:
+        if c == "whole_model":
+            report["whole_model"] = res[c]["whole_model"]
+            continue
         if c == "variants":
             report["variants"] = res[c]["variants"]
             report["variant_ratios"] = variant_ratios(res[c]["variants"])
@@ -411,7 +458,7 @@ def run_parent(args) -> dict:
         for k in ("cache_build_seconds", "cache_build_tokens_per_second", "cache_samples", "cache_bytes"):
             report[k] = cb[k]
         report["cache_build_peak_rss_mb"] = cb["peak_rss_mb"]
-    step = {c: res[c]["seconds_per_step"] for c in cases if c != "variants"}
+    step = {c: res[c]["seconds_per_step"] for c in cases if c not in ("variants", "whole_model")}
     if "overrep_cached" in step:
         report["overrep_flops_fraction_of_matmul"] = (res["overrep_cached"]["achieved_flops_per_second"]
                                                       / report["matmul_flops_per_second"])

@@ -161,6 +161,27 @@ def test_logit_kd_is_the_forward_kl_to_the_teacher():
     assert LogitDistillation(teacher, teacher, ids, None).rows_loss(ids).abs().item() < 1e-6
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_whole_model_objectives_train_at_the_chosen_precision_and_validate_in_fp32(precision):
+    """recovery.precision reaches the whole-model methods: their training forward runs under bf16
+    autocast (the teacher's too) when asked, their validation always in fp32."""
+    teacher, student = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    ids = tiny_ids(4, 12)
+    seen = []
+    for m in (teacher, student):
+        m.model.layers[0].mlp.down_proj.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    kd = LogitDistillation(student, teacher, ids, ids[:2], precision=precision)
+    loss = kd.loss([0, 1])
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    loss.backward()  # gradients reach the fp32 weights
+    assert student.model.layers[0].mlp.down_proj.weight.grad.dtype == torch.float32
+    want = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert seen == [want, want]  # teacher, then student
+    seen.clear()
+    kd.validation_loss()
+    assert seen and set(seen) == {torch.float32}
+
+
 def test_unknown_method_is_one_clear_error(assets, tmp_path):
     with pytest.raises(OverRepError, match="unknown recovery.method 'lroa'"):
         tiny_cfg(assets, tmp_path / "x", recovery__method="lroa")

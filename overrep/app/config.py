@@ -84,7 +84,7 @@ class RecoveryConfig:
     eval_every: int = 50  # steps between validation measurements (val_loss; val_ppl on data.validation_sequences rows)
     keep_best: bool = True  # end at the checkpoint of lowest val_ppl (among those that fold exactly: alpha = 0) when it beats the last step; needs validation rows
     threads: int | None = None  # torch CPU threads (None = torch's default)
-    precision: str = "bf16"  # layer-wise methods: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32"; see docs/speed.md
+    precision: str = "bf16"  # training forward of every method: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32"; see docs/speed.md
     shard: str = "none"  # several ranks (torchrun), layer-wise methods: "none" (every rank holds the recovery modules, gradients all-reduced) | "fsdp" (W, D and the recovery blocks sharded over the ranks by torch FSDP2; README "Scaling")
 
 

@@ -1,4 +1,7 @@
-"""Training precision of the layer-wise recovery modules (``recovery.precision``).
+"""Training precision of every recovery method (``recovery.precision``): the layer-wise
+recovery modules (their wrappers autocast their own forward) and the whole-model objectives
+(LoRA family, full fine-tuning, logit KD, OverRep-KD, RestoreLCC: the training forward, the
+KD teacher's included, runs under the autocast; validation stays fp32).
 
 * ``fp32``: every matmul in float32 (the reference form).
 * ``bf16``: the recovery module's forward runs under bf16 autocast: matmuls (and the

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.experts import is_fused_experts
+from ..core.precision import autocast
 from ..core.projection import OvercompleteLinear
 
 # indices -> per module {"inputs": [B,T,H], "targets": [B,T,H]}
@@ -212,10 +213,13 @@ class _WholeModel(Objective):
 
     def __init__(self, model: nn.Module, train_ids: torch.Tensor, val_ids: torch.Tensor | None,
                  params: list[nn.Parameter] | None = None, activations: list | None = None,
-                 decayed: set[int] | None = None):
+                 decayed: set[int] | None = None, precision: str = "fp32"):
         """``params``: what trains (default: every trainable parameter of ``model``);
-        ``decayed``: ids of the parameters given weight decay (default: pretrained matrices)."""
+        ``decayed``: ids of the parameters given weight decay (default: pretrained matrices);
+        ``precision``: the training forward's (``recovery.precision``: ``bf16`` autocasts it over
+        the fp32 weights, as the layer-wise methods do; validation always runs in fp32)."""
         self.model, self.train_ids, self.val_ids = model, train_ids, val_ids
+        self.precision = precision
         self._params, self._decayed = params, decayed
         self.activations = activations or []
 
@@ -233,7 +237,8 @@ class _WholeModel(Objective):
         raise NotImplementedError
 
     def loss(self, idx):
-        return self.rows_loss(self.train_ids[idx].to(self.device))
+        with autocast(self.precision, self.device):
+            return self.rows_loss(self.train_ids[idx].to(self.device))
 
     @torch.no_grad()
     def validation_loss(self):
@@ -272,8 +277,8 @@ class LogitDistillation(_WholeModel):
     (loss scaled by ``tau**2`` so its gradient scale does not depend on ``tau``)."""
 
     def __init__(self, model, teacher: nn.Module, train_ids, val_ids, params=None, activations=None,
-                 decayed=None, tau: float = 1.0):
-        super().__init__(model, train_ids, val_ids, params, activations, decayed)
+                 decayed=None, tau: float = 1.0, precision: str = "fp32"):
+        super().__init__(model, train_ids, val_ids, params, activations, decayed, precision)
         self.teacher, self.tau = teacher, tau
 
     def rows_loss(self, ids):

@@ -72,6 +72,29 @@ def like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
 
 
+def host_copy(p: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of this rank's part of ``p`` (its shard when ``p`` is sharded): kept off the
+    accelerator, so a copy of the trainable weights (``recovery.keep_best``) costs host memory,
+    not device memory."""
+    local = p.to_local() if isinstance(p, _dtensor()) else p
+    return local.detach().to("cpu", copy=True)
+
+
+def full_from_host(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The full tensor whose :func:`host_copy` for ``p`` is ``t`` (a sharded ``p``: every rank must call)."""
+    if not isinstance(p, _dtensor()):
+        return t
+    DTensor = _dtensor()
+    return DTensor.from_local(t.to(p.device), p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride()).full_tensor().detach().cpu()
+
+
+@torch.no_grad()
+def copy_from_host(p: torch.Tensor, t: torch.Tensor) -> None:
+    """Write a :func:`host_copy` ``t`` back into ``p`` (into this rank's shard when sharded)."""
+    (p.to_local() if isinstance(p, _dtensor()) else p).copy_(t)
+
+
 def plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a plain tensor (a norm of sharded gradients comes back replicated)."""
     return t.full_tensor() if isinstance(t, _dtensor()) else t

@@ -20,7 +20,8 @@ perplexity among those whose weights fold exactly (every annealed activation at 
 only the final linear phase of an OverRep run; any step of a method without annealing)
 when it beats the last step, and records which in ``selected``. A layer-wise loss can
 keep falling while the language model gets worse (docs/results.md, Streamline at 10
-minutes); this is the guard.
+minutes); this is the guard. The best weights are held as a host (CPU) copy, this rank's
+shard of them under FSDP, so the guard costs no accelerator memory.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ class Trainer:
         trainable, optimizer = trainable_state(self.objective), sharding.optimizer_state(self.opt)
         best = None if self.best is None else {
             "step": self.best["step"], "val_ppl": self.best["val_ppl"],
-            "tensors": None if self.best["step"] == self.step else [sharding.full(t) for t in self.best["tensors"]]}
+            "tensors": None if self.best["step"] == self.step else
+            [sharding.full_from_host(t, p) for t, p in zip(self.best["tensors"], self.objective.parameters())]}
         if not self.world.is_main:  # it took part in gathering the shards
             return path
         state = {"step": self.step, "total_steps": self.total, "fingerprint": self.fingerprint,
@@ -213,8 +215,8 @@ class Trainer:
         best = state.get("best")
         if best is not None:
             params = self.objective.parameters()
-            tensors = ([p.detach().clone() for p in params] if best["tensors"] is None
-                       else [sharding.like(t, p) for t, p in zip(best["tensors"], params)])
+            tensors = [sharding.host_copy(p if t is None else sharding.like(t, p))
+                       for t, p in zip(best["tensors"] or [None] * len(params), params)]
             self.best = {"step": best["step"], "val_ppl": best["val_ppl"], "tensors": tensors}
         if state.get("rng") is not None:  # dropout (LoRA) draws from it: resume draws the same masks
             torch.set_rng_state(state["rng"])
@@ -347,7 +349,7 @@ class Trainer:
             return
         if self.best is None or val_ppl < self.best["val_ppl"]:
             self.best = {"step": self.step, "val_ppl": val_ppl,
-                         "tensors": [p.detach().clone() for p in self.objective.parameters()]}
+                         "tensors": [sharding.host_copy(p) for p in self.objective.parameters()]}
 
     def restore_best(self) -> None:
         """End at the best foldable step when it beats the last one (``selected`` says which)."""
@@ -357,9 +359,8 @@ class Trainer:
         if best["step"] == self.step or last is None or not best["val_ppl"] < last:
             self.selected = {"step": self.step, "val_ppl": last, "last_step": self.step, "last_val_ppl": last}
             return
-        with torch.no_grad():
-            for p, t in zip(self.objective.parameters(), best["tensors"]):
-                p.copy_(t)
+        for p, t in zip(self.objective.parameters(), best["tensors"]):
+            sharding.copy_from_host(p, t)
         log.info("keep_best: the recovery ends at step %d (val_ppl %.4g), not at its last step %d (%.4g)",
                  best["step"], best["val_ppl"], self.step, last)
         self.selected = {"step": best["step"], "val_ppl": best["val_ppl"], "last_step": self.step,

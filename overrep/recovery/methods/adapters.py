@@ -122,7 +122,8 @@ class AdapterRun(MethodRun):
         self.peft_model = get_peft_model(model, config)
         # adapters start at (or near) zero: no weight decay
         objective = AdaLoraLanguageModeling if method.name == "adalora" else LanguageModeling
-        self.objective = objective(self.peft_model, inputs.train_ids, inputs.val_ids, decayed=set())
+        self.objective = objective(self.peft_model, inputs.train_ids, inputs.val_ids, decayed=set(),
+                                   precision=r.precision)
 
     def lora_config(self, targets: list[str], rank: int, alpha: float):
         """The LoraConfig of ``lora`` and ``lora-iso`` (a subclass may give projections ranks of their own)."""

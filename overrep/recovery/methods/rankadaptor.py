@@ -97,7 +97,8 @@ VERSION = 2  # of the search: a change makes older cached results stale
 #: the recovery settings a probe reads: they key the cached search
 PROBE_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lr", "batch_size", "grad_accum", "min_lr_ratio",
                 "warmup_ratio", "betas", "grad_clip", "seed", "rankadaptor_probes", "rankadaptor_probe_steps",
-                "rankadaptor_candidates", "rankadaptor_val_sequences", "time_budget", "rankadaptor_budget_share")
+                "rankadaptor_candidates", "rankadaptor_val_sequences", "time_budget", "rankadaptor_budget_share",
+                "precision")
 
 
 def check_config(r, train_sequences: int) -> None:
@@ -265,7 +266,7 @@ class RankSearch:
         torch.manual_seed(cfg.seed)
         model = get_peft_model(copy.deepcopy(self.inputs.pruned), block_config(cfg, self.by_block, ranks))
         check_ranks(model, self.by_block, ranks)
-        objective = LanguageModeling(model, self.train_rows, None, decayed=set())
+        objective = LanguageModeling(model, self.train_rows, None, decayed=set(), precision=cfg.precision)
         with tempfile.TemporaryDirectory(prefix="rankadaptor-") as tmp:  # the trainer's last checkpoint
             Trainer(objective, self.train_rows.shape[0], dataclasses.replace(cfg, checkpoint_every=steps,
                     eval_every=steps), steps, Path(tmp), progress=False).run()

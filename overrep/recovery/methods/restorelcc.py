@@ -164,8 +164,9 @@ class CompensationLanguageModeling(LanguageModeling):
     """Language modelling through the compensated heads; the heads and their fixed
     directions travel with a checkpoint, so a resumed run compensates the same heads."""
 
-    def __init__(self, model, train_ids, val_ids, comp: HeadCompensation):
-        super().__init__(model, train_ids, val_ids, params=list(comp.parameters()), decayed=set())
+    def __init__(self, model, train_ids, val_ids, comp: HeadCompensation, precision: str = "fp32"):
+        super().__init__(model, train_ids, val_ids, params=list(comp.parameters()), decayed=set(),
+                         precision=precision)
         self.comp = comp
 
     def extra_state(self) -> dict:
@@ -207,7 +208,8 @@ class RestoreLCCRun(MethodRun):
         self.heads = select_heads(self.probe.scores, r.restorelcc_heads)
         self.comp = HeadCompensation(model, self.heads, self.probe.directions, init_std=r.restorelcc_init_std,
                                      seed=r.seed)
-        self.objective = CompensationLanguageModeling(model, inputs.train_ids, inputs.val_ids, self.comp)
+        self.objective = CompensationLanguageModeling(model, inputs.train_ids, inputs.val_ids, self.comp,
+                                                      precision=r.precision)
 
     def selected(self) -> list[dict]:
         kept = self.inputs.plan.kept

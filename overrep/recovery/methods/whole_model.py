@@ -24,7 +24,7 @@ class OvercompleteKDRun(MethodRun):
         self.objective = LogitDistillation(model, inputs.dense, inputs.train_ids, inputs.val_ids,
                                            params=params, activations=[m.activation for m in self.modules],
                                            decayed=set().union(*(pretrained_matrix_ids(m) for m in self.modules)),
-                                           tau=inputs.config.kd_tau)
+                                           tau=inputs.config.kd_tau, precision=inputs.config.precision)
 
     def finish(self) -> dict:
         at_last_trained_step(self.objective.activations)
@@ -47,7 +47,8 @@ class FullRun(MethodRun):
         for layer in decoder_layers(model):
             layer.requires_grad_(True)
         if method.objective == "lm":
-            self.objective = LanguageModeling(model, inputs.train_ids, inputs.val_ids)
+            self.objective = LanguageModeling(model, inputs.train_ids, inputs.val_ids,
+                                              precision=inputs.config.precision)
         else:
             self.objective = LogitDistillation(model, inputs.dense, inputs.train_ids, inputs.val_ids,
-                                               tau=inputs.config.kd_tau)
+                                               tau=inputs.config.kd_tau, precision=inputs.config.precision)
