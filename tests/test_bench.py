@@ -64,6 +64,11 @@ def test_bench_script_tiny(tmp_path):
                 "narrow_schedule_vs_plain_step_time_bf16"):
         assert key in r, key
     assert "torch_compile" in report and s["precision"] == "bf16"
+    # the whole-model methods in both precisions, side by side
+    w = report["whole_model"]
+    for method in ("lora-iso", "overrep-kd"):
+        assert w[f"{method}_fp32"]["seconds_per_step_median"] > 0 and w[f"{method}_bf16"]["tokens_per_second"] > 0
+        assert w[f"{method}_bf16_speedup"] > 0
     for case in report["cases"].values():
         for key in ("seconds_per_step", "tokens_per_second", "peak_rss_mb", "flops_per_step",
                     "achieved_flops_per_second", "trainable_params"):
