@@ -184,6 +184,21 @@ def test_plan_layouts():
     assert g.module_layers == [17] and g.target_layer == 29 and g.final_norm
 
 
+def test_final_block_off_keeps_modules_before_the_final_block():
+    """recovery.final_block: false (the run default): a module stops before the model's final block."""
+    paper = plan_pruning(30, parse_layers("18-28"), final_block=False)  # the paper's mask
+    assert paper.to_dict() == plan_pruning(30, parse_layers("18-28"), blocks=1).to_dict()
+    (g,) = paper.groups
+    assert g.module_layers == [17] and g.target_layer == 28 and not g.final_norm and g.stitch == {17: 28}
+    (g,) = plan_pruning(30, parse_layers("18-27"), final_block=False, blocks=3).groups  # only 28 before it
+    assert g.module_layers == [17, 28] and g.target_layer == 28 and not g.final_norm
+    inside = plan_pruning(12, [2, 3, 8], final_block=False)  # modules inside the network: unchanged
+    assert inside.to_dict() == plan_pruning(12, [2, 3, 8]).to_dict()
+    (g,) = plan_pruning(30, parse_layers("18-29"), final_block=False).groups  # the run takes the final block
+    assert g.module_layers == [17] and g.final_norm
+
+
+
 @pytest.mark.parametrize("bad,msg", [([], "empty"), ([6], "out of range"), (list(range(6)), "leaves no block"),
                                      ([-1], "out of range")])
 def test_plan_rejects_bad_removals(bad, msg):

@@ -198,3 +198,23 @@ def test_benchmarks_inside_the_run_report(assets, tmp_path):
     assert (tmp_path / "bench" / "benchmarks" / "recovered.json").is_file()
     report = (tmp_path / "bench" / "report.md").read_text()
     assert "## Benchmarks" in report and "| arc_easy |" in report
+
+
+def test_a_run_default_module_ends_before_the_final_block(assets, tmp_path):
+    """recovery.final_block: false (the default) on the paper's mask trains block 1 alone, and the
+    parameter account (which sizes lora-iso) counts that module."""
+    from overrep.model.accounting import recovery_account
+
+    assert RunConfig().recovery.final_block is False
+    m = Pipeline(tiny_cfg(assets, tmp_path / "o", prune__remove="3-4", recovery__final_block=False,
+                          eval__perplexity=False, eval__latency=False), progress=False).run()
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert [g["module_layers"] for g in plan["groups"]] == [[2]] and m["train_steps"] > 0
+    paper = Pipeline(tiny_cfg(assets, tmp_path / "p", prune__remove="3-4", recovery__final_block=True,
+                              eval__perplexity=False, eval__latency=False), progress=False).run()
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert [g["module_layers"] for g in plan["groups"]] == [[2, 5]]
+    assert paper["trainable_params"] > m["trainable_params"]
+    config = str(assets / "tiny-llama")
+    assert recovery_account(config, [3, 4], final_block=False)["trainable_params"] == m["trainable_params"]
+    assert recovery_account(config, [3, 4])["trainable_params"] == paper["trainable_params"]

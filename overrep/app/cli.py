@@ -113,7 +113,7 @@ def cmd_inspect(args) -> int:
         return 0
     preset = p.method.preset or r.preset
     acc = recovery_account(p.dense.config, p.selection.removed, preset, blocks=p.method.blocks or r.blocks,
-                           block1_init=r.block1_init)
+                           block1_init=r.block1_init, final_block=r.final_block)
     acc.update(model=p.model_info["source"], method=p.method.name, criterion=cfg.prune.criterion,
                criterion_scores=p.selection.scores, total_steps=p.total_steps)
     if p.method.family in ("adapter", "full"):  # what trains is not the recovery module

@@ -218,14 +218,16 @@ class Compare:
         return out
 
     def found_cell(self, prefix: str, settings: dict) -> Path | None:
-        """A cell folder of the same settings under another name (written with the grid's
-        path in its name's hash, as earlier versions did)."""
+        """A cell folder of the same settings under another name: written with the grid's path in
+        its name's hash, as earlier versions did, or before a setting existed (its request is read
+        through today's configuration, so a field it lacks takes its default)."""
         key = _hash(settings)
         for request in sorted((self.out / "cells").glob(f"{prefix}*.yaml")):
             d = request.with_suffix("")
             try:
-                same = d.is_dir() and _hash(self.settings(yaml.safe_load(request.read_text()))) == key
-            except (OSError, yaml.YAMLError, AttributeError):
+                old = RunConfig.from_dict(yaml.safe_load(request.read_text())).to_dict()
+                same = d.is_dir() and _hash(self.settings(old)) == key
+            except (OSError, yaml.YAMLError, AttributeError, OverRepError):
                 continue
             if same:
                 return d

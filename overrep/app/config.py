@@ -42,6 +42,9 @@ class RecoveryConfig:
     method: str = "overrep"  # overrep | plain | streamline | lora | adalora | lora-iso | rankadaptor | full-ft | logit-kd | overrep-kd | restorelcc
     preset: str = "hybrid"  # overrep / overrep-kd: built-in preset name (see `overrep presets`) or a preset .yaml file
     blocks: int = 2  # recovery blocks per removed segment (block before it + blocks after it)
+    # a module may extend into the model's final block and end at the final norm's output (the paper's
+    # layout on its mask); off: it stops before the final block (better per wall-clock: docs/results.md)
+    final_block: bool = False
     block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)

@@ -121,7 +121,7 @@ class Pipeline(BudgetStages):
         self.method = get_method(r.method)
         if cfg.prune.remove is not None:  # an impossible --remove fails before the data loads
             plan_pruning(self.num_layers, parse_layers(str(cfg.prune.remove)), blocks=self.method.blocks or r.blocks,
-                         block1_init=r.block1_init)
+                         block1_init=r.block1_init, final_block=r.final_block)
         t0 = time.perf_counter()
         d = cfg.data
         self.train_ids, self.heldout_ids, val_ids, self.data_info = token_splits(
@@ -141,7 +141,8 @@ class Pipeline(BudgetStages):
         else:
             self.select_blocks()
             self.plan = plan_recovery(self.dense, self.selection.removed, get_preset(self.method.preset or r.preset),
-                                      blocks=self.method.blocks or r.blocks, block1_init=r.block1_init)
+                                      blocks=self.method.blocks or r.blocks, block1_init=r.block1_init,
+                                      final_block=r.final_block)
         layers = decoder_layers(self.dense)
         for g in self.plan.groups:  # a block a criterion already rewrote (LaCo) keeps its weights,
             for target, source in list(g.stitch.items()):  # and a hybrid's one-part block its own

@@ -61,7 +61,7 @@ def blocks_for_ratio(model, ratio: float) -> int:
 
 def recovery_account(config: PretrainedConfig | str, removed: list[int], preset: Preset | str = "hybrid", *,
                      blocks: int = 2, block1_init: str = "stitched", train_bytes: int = 4,
-                     seq_len: int | None = None) -> dict:
+                     seq_len: int | None = None, final_block: bool = True) -> dict:
     """Trainable parameters and training memory of ``preset`` for removing ``removed``.
 
     Memory counts weights, gradients and AdamW state of the recovery module (activations
@@ -73,7 +73,7 @@ def recovery_account(config: PretrainedConfig | str, removed: list[int], preset:
     model = meta_model(config)
     dense_params = count_parameters(model)
     num_layers = len(decoder_layers(model))
-    plan = plan_recovery(model, removed, preset, blocks=blocks, block1_init=block1_init)
+    plan = plan_recovery(model, removed, preset, blocks=blocks, block1_init=block1_init, final_block=final_block)
     prune(model, plan)
     compact_params = count_parameters(model)
     modules = apply_preset(model, plan, preset)

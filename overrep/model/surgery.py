@@ -118,7 +118,8 @@ class PrunePlan:
 
 
 def plan_pruning(num_layers: int, removed: list[int], *, blocks: int = 2,
-                 block1_init: str = "stitched", recoverable: list[bool] | None = None) -> PrunePlan:
+                 block1_init: str = "stitched", recoverable: list[bool] | None = None,
+                 final_block: bool = True) -> PrunePlan:
     """Validate ``removed`` and lay out the recovery module(s) for it.
 
     A run's module is the retained block before it (block 1) plus the blocks after it, until
@@ -127,6 +128,11 @@ def plan_pruning(num_layers: int, removed: list[int], *, blocks: int = 2,
     frozen (Mamba-2) is crossed but not counted: block 1 is the nearest block before the run
     that can learn, and the module extends past the run until ``blocks`` blocks can learn
     (see :func:`overrep.model.wrap.plan_recovery`).
+
+    ``final_block=False`` keeps modules out of the model's final block: where a run ends just
+    before it, the module stops before it too and matches the hidden state the final block
+    reads, not the final norm's output (``recovery.final_block``; the paper's modules on its
+    mask take the final block). A run that removes the final block itself ends there anyway.
     """
     removed = sorted(set(removed))
     if not removed:
@@ -169,7 +175,7 @@ def plan_pruning(num_layers: int, removed: list[int], *, blocks: int = 2,
     groups: list[RecoveryGroup] = []
     for a, b in contiguous_runs(removed):
         lead = lead_in([i for i in kept if i < a])
-        after = [i for i in kept if i > b]
+        after = [i for i in kept if i > b and (final_block or i != num_layers - 1)]
         layers = lead + take(after, blocks - bool(lead and recoverable[lead[0]]))
         # block 1 is stitched (the attention of the block before, the MLP of the run's last
         # block) only when it is the block right before the run

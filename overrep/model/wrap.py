@@ -114,11 +114,11 @@ def recoverable_blocks(model: nn.Module, preset: Preset) -> list[bool]:
 
 
 def plan_recovery(model: nn.Module, removed: list[int], preset: Preset, *, blocks: int = 2,
-                  block1_init: str = "stitched") -> PrunePlan:
+                  block1_init: str = "stitched", final_block: bool = True) -> PrunePlan:
     """:func:`~overrep.model.surgery.plan_pruning` for ``model``: each run's module holds
     ``blocks`` blocks that ``preset`` can train (:func:`recoverable_blocks`)."""
     return plan_pruning(len(decoder_layers(model)), removed, blocks=blocks, block1_init=block1_init,
-                        recoverable=recoverable_blocks(model, preset))
+                        recoverable=recoverable_blocks(model, preset), final_block=final_block)
 
 
 def apply_preset(model: nn.Module, plan: PrunePlan | WidthPlan, preset: Preset,

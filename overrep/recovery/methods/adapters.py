@@ -104,7 +104,7 @@ class AdapterRun(MethodRun):
         rank, alpha = r.lora_rank, r.lora_alpha
         if method.name == "lora-iso":
             target = recovery_account(inputs.dense.config, inputs.plan.removed, r.preset, blocks=r.blocks,
-                                      block1_init=r.block1_init)["trainable_params"]
+                                      block1_init=r.block1_init, final_block=r.final_block)["trainable_params"]
             rank = iso_rank(model, target)
             alpha = rank * r.lora_alpha / r.lora_rank  # keep LoRA's scaling alpha / r
             self.iso_target = target
