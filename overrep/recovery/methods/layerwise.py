@@ -71,7 +71,8 @@ class LayerwiseRun(MethodRun):
                 if not g.final_norm:
                     raise OverRepError(f"recovery.loss 'logit' needs a module that ends at the final norm; the "
                                        f"module ending at block {g.target_layer} does not (use normed, fisher or "
-                                       "kl-topk)")
+                                       "kl-topk, or recovery.final_block: true where the run ends before the "
+                                       "final block)")
                 aux[i]["gram"] = gram.to(device)
             if "kl-topk" in phases:
                 aux[i]["tail"] = Tail(self.model, m, full_ctx)
