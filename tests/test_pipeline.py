@@ -158,14 +158,18 @@ def test_real_embedded_model_few_steps(tmp_path):
     """The default model and corpus, a few steps: loads, prunes 25%, recovers, exports."""
     cfg = RunConfig.load(overrides={
         "recovery": {"steps": 12, "batch_size": 4, "checkpoint_every": 12, "eval_every": 12},
-        "prune": {"criterion": "last"},  # the paper's mask, whose target is after the final norm
+        "prune": {"criterion": "last"},  # the paper's mask: block 17 alone learns the run (final_block off)
         "data": {"seq_len": 64, "train_sequences": 16, "heldout_sequences": 4},
         "cache": {"dir": str(tmp_path / "cache")},
         "eval": {"latency": False},
         "output": str(tmp_path / "out")})
     m = Pipeline(cfg, progress=False).run()
     assert m["num_layers_before"] == 30 and m["removed_layers"] == list(range(18, 29))
-    assert m["merge_max_abs_diff"] <= 1e-4
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert [g["module_layers"] for g in plan["groups"]] == [[17]]
+    # the fold is exact to fp32 rounding; the logits' scale (no final norm between the module and
+    # block 29's massive activations) makes the absolute difference 1e-2, the relative one 1e-6
+    assert m["merge_max_rel_diff"] <= 1e-5
     assert m["dense_ppl"] < 100 < m["pruned_ppl"]
     assert m["recovered_ppl"] < m["pruned_ppl"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
