@@ -198,7 +198,6 @@ def test_final_block_off_keeps_modules_before_the_final_block():
     assert g.module_layers == [17] and g.final_norm
 
 
-
 @pytest.mark.parametrize("bad,msg", [([], "empty"), ([6], "out of range"), (list(range(6)), "leaves no block"),
                                      ([-1], "out of range")])
 def test_plan_rejects_bad_removals(bad, msg):
