@@ -100,6 +100,30 @@ def test_fsdp_on_two_ranks_ends_at_the_weights_of_one_process(one_process):
     assert [r["step"] for r in log if "val_ppl" in r] == [r["step"] for r in one if "val_ppl" in r]
 
 
+@pytest.mark.parametrize("variant", ["kl-topk", "moe", "width"])
+def test_fsdp_with_the_top_k_loss_an_moe_model_and_width_pruning(assets, tmp_path, variant):
+    """FSDP where more moves: the kl-topk loss (the frozen tail and head after each module,
+    the cached top-K read by both ranks), fused MoE experts in a recovery block, and width
+    pruning (every block a module, rectangular D's, the live teacher)."""
+    from tiny import corpus, make_tiny_model_dir
+
+    over = {"recovery__steps": 6, "recovery__precision": "fp32", "eval__latency": False, "model__device": "cpu",
+            "recovery__shard": "fsdp", "cache__dir": str(tmp_path / "cache")}
+    if variant == "kl-topk":
+        over["recovery__loss"] = "kl-topk"
+    if variant == "moe":
+        over["model__source"] = str(make_tiny_model_dir(tmp_path / "moe", corpus(), arch="qwen3_moe"))
+    if variant == "width":
+        over.update(prune__granularity="width", prune__remove=None, prune__ratio=0.25)
+    cfg = tiny_cfg(assets, tmp_path / "one", **over)
+    Pipeline(cfg, progress=False, world=SINGLE).run()  # one process: nothing to shard over
+    cfg.output = str(tmp_path / "fsdp")
+    cfg.save(tmp_path / "fsdp.yaml")
+    done = torchrun(["run", "--config", str(tmp_path / "fsdp.yaml"), "--quiet"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_weights(weights(tmp_path / "one"), weights(tmp_path / "fsdp"))
+
+
 def test_a_sharded_run_killed_mid_run_resumes_sharded_or_unsharded(one_process):
     """Sharded checkpoints hold full tensors: two FSDP ranks resume one, and so does one process
     (which trains unsharded); both end at the weights of one process."""

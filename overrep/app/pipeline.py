@@ -34,6 +34,7 @@ from ..eval.measure import generation_latency
 from ..model.accounting import blocks_for_ratio, counted_parameters
 from ..model.arch import check_supported, decoder_layers
 from ..model.loading import load_model
+from ..model.placement import is_placed, placed_copy, placement_kwargs
 from ..model.runtime import digest, model_fingerprint, peak_memory_bytes, resolve_device
 from ..model.surgery import can_stitch, parse_layers, plan_pruning, prune
 from ..model.presets import get_preset
@@ -111,9 +112,13 @@ class Pipeline(BudgetStages):
         torch.manual_seed(cfg.recovery.seed)
         self.device = self.world.device(resolve_device(cfg.model.device))
         t0 = time.perf_counter()
-        self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=_DTYPES[cfg.model.dtype])
+        self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=_DTYPES[cfg.model.dtype],
+                                                                 placement=self.placement())
         check_supported(self.dense)
-        self.dense.to(self.device)
+        if is_placed(self.dense):  # where accelerate put the teacher's parts (a device, "cpu" or "disk")
+            self.metrics["teacher_device_map"] = {k: str(v) for k, v in self.dense.hf_device_map.items()}
+        else:
+            self.dense.to(self.device)
         self.timings["load_model"] = time.perf_counter() - t0
         self.num_layers = len(decoder_layers(self.dense))
         self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
@@ -161,6 +166,22 @@ class Pipeline(BudgetStages):
         self.cfg.save(self.out / "config.yaml")
         write_json(self.out / "plan.json", self.plan.to_dict(), "the pruning plan")
 
+    def placement(self) -> dict | None:
+        """``model.device_map``'s keywords for loading the dense model (None: whole on ``model.device``).
+        Offloaded weights go to a folder under the cache root that lives as long as this run."""
+        m = self.cfg.model
+        if m.device_map is None:
+            return None
+        if self.world.size > 1:
+            raise OverRepError("model.device_map spreads one process's dense model over this machine's devices; "
+                               "under torchrun every rank would place its own copy (use cache.teacher: stream, "
+                               "or one process)")
+        import tempfile
+
+        self.cache_root.mkdir(parents=True, exist_ok=True)
+        self._offload = tempfile.TemporaryDirectory(prefix="offload-", dir=self.cache_root)
+        return placement_kwargs(m.device_map, m.max_memory, Path(self._offload.name))
+
     def select_blocks(self) -> None:
         """The blocks to remove: explicit (``prune.remove``) or chosen by ``prune.criterion``."""
         cfg = self.cfg
@@ -197,7 +218,12 @@ class Pipeline(BudgetStages):
 
     # ---- stage 2: prune, baseline evaluation ---------------------------------------
     def prune(self) -> None:
-        model = copy.deepcopy(self.dense)
+        if is_placed(self.dense):  # never the whole dense model in one place: only what the pruned model keeps
+            keep = set(range(self.num_layers)) - set(self.plan.removed)
+            keep |= {src for g in self.plan.groups for src in g.stitch.values()}
+            model = placed_copy(self.dense, keep, self.device)
+        else:
+            model = copy.deepcopy(self.dense)
         if self.width:
             from ..model.width import slice_width
 
@@ -402,8 +428,12 @@ class Pipeline(BudgetStages):
     # ---- everything ----------------------------------------------------------------
     def run(self) -> dict:
         self.prepare_output()
-        with self.output_guard():
-            return self._run()
+        try:
+            with self.output_guard():
+                return self._run()
+        finally:
+            if getattr(self, "_offload", None) is not None:  # model.device_map's offloaded weights
+                self._offload.cleanup()
 
     def _run(self) -> dict:
         t_start = time.perf_counter()

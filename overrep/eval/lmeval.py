@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from ..errors import OverRepError
+from ..model.placement import input_device
 from .benchmarks import BENCHMARKS as TABLE
 from .benchmarks import SUITES
 from .harness import _command, _model_info, _run_benchmark, _quiet_libraries, library_versions, lm_eval_limit
@@ -246,7 +247,7 @@ def evaluate_benchmarks(
         "settings": {"tasks": benchmarks, "limit": limit if not isinstance(limit, dict) else dict(limit),
                      "quick_limit": dict(QUICK_LIMIT), "batch_size": batch_size, "num_fewshot": num_fewshot,
                      "data": data, "hub_reachable": plan["hub_reachable"], "include_path": include_path,
-                     "max_length": max_length, "device": str(next(model.parameters()).device)},
+                     "max_length": max_length, "device": str(input_device(model))},
         "tasks": {},
     }
     runnable = [b for b in benchmarks if plan["plans"][b]["status"] == "run"]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .arch import decoder_layers, final_norm
+from .placement import input_device
 from .surgery import RecoveryGroup
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def capture_layer_context(model: nn.Module, seq_len: int) -> list[dict]:
                 raise StopForward
         return fn
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         model(input_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device), use_cache=False)
@@ -102,7 +103,7 @@ def teacher_features(model: nn.Module, input_ids: torch.Tensor, groups: list[Rec
     if need_norm:
         handles.append(norm.register_forward_hook(norm_hook))
     try:
-        model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
+        model(input_ids=input_ids.to(input_device(model)), use_cache=False)
     except StopForward:
         pass
     finally:

@@ -132,7 +132,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def _finish(model: transformers.PreTrainedModel, dtype: torch.dtype) -> transformers.PreTrainedModel:
     """Cast to ``dtype`` (if the loader did not already) and switch to eval mode."""
-    if model.dtype != dtype:
+    if model.dtype != dtype and not getattr(model, "hf_device_map", None):  # a placed model was loaded in dtype
         model = model.to(dtype)
     return model.eval()
 
@@ -152,7 +152,7 @@ def _strip_quantization(model: transformers.PreTrainedModel) -> None:
         model.is_quantized = False
 
 
-def _load_gguf(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str):
+def _load_gguf(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str, placement: dict | None = None):
     """Load a ``.gguf`` file dequantised into a plain model, plus the tokenizer it embeds."""
     from transformers import GgufConfig
 
@@ -164,6 +164,7 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str)
             dtype=dtype,
             attn_implementation=attn_implementation,
             local_files_only=True,
+            **(placement or {}),
         )
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
@@ -172,13 +173,13 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str)
     return model, tokenizer
 
 
-def _load_folder(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str):
+def _load_folder(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str, placement: dict | None = None):
     """Load a local Hugging Face checkpoint folder and its tokenizer."""
     if not (path / "config.json").is_file():
         raise OverRepError(f"'{path}' is not a Hugging Face model folder (it has no config.json)")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+            path, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation, **(placement or {})
         )
     except (OSError, ValueError, KeyError) as error:
         raise OverRepError(f"cannot load the model in '{path}': {_first_line(error)}") from error
@@ -235,7 +236,7 @@ def save_conversion(model, tokenizer, gguf: pathlib.Path, target: pathlib.Path) 
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _load_embedded(dtype: torch.dtype, attn_implementation: str):
+def _load_embedded(dtype: torch.dtype, attn_implementation: str, placement: dict | None = None):
     """Load the embedded model, converting its GGUF once into the cache.
 
     Loading the GGUF takes ~15-20 s on 2 cores (dequantising, plus reading the tokenizer
@@ -253,14 +254,17 @@ def _load_embedded(dtype: torch.dtype, attn_implementation: str):
             save_conversion(model, tokenizer, gguf, folder)
         except OSError as error:
             logger.warning("cannot write the model cache %s (%s); using the GGUF directly", folder, error)
+            if placement:
+                del model
+                return (*_load_gguf(gguf, dtype, attn_implementation, placement), str(gguf))
             return model, tokenizer, str(gguf)
         logger.info("converted in %.1f s", time.perf_counter() - started)
         del model, tokenizer
-    model, tokenizer = _load_folder(folder, dtype, attn_implementation)
+    model, tokenizer = _load_folder(folder, dtype, attn_implementation, placement)
     return model, tokenizer, str(folder)
 
 
-def _load_hub(spec: str, dtype: torch.dtype, attn_implementation: str):
+def _load_hub(spec: str, dtype: torch.dtype, attn_implementation: str, placement: dict | None = None):
     """Load a hub id: from the network when reachable, else from the local HF cache only."""
     online = hub_reachable()
     try:
@@ -272,6 +276,7 @@ def _load_hub(spec: str, dtype: torch.dtype, attn_implementation: str):
             # transformers 5.23 does not forward local_files_only to its PEFT-adapter
             # probe, which then retries the network for ~25 s before giving up.
             adapter_kwargs={"local_files_only": not online},
+            **(placement or {}),
         )
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=not online)
     except (OSError, ValueError) as error:
@@ -312,6 +317,7 @@ def load_model(
     *,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
+    placement: dict | None = None,
 ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase, dict]:
     """Load a causal LM and its tokenizer from ``spec``.
 
@@ -319,6 +325,9 @@ def load_model(
         spec: ``None`` / ``"embedded"``, a local folder, a ``.gguf`` path or a hub id.
         dtype: parameter dtype of the returned model.
         attn_implementation: passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...).
+        placement: accelerate's placement keywords for ``from_pretrained`` (``device_map``,
+            ``max_memory``, ``offload_folder``; :func:`overrep.model.placement.placement_kwargs`),
+            or None: the model is loaded whole on the CPU.
 
     Returns:
         ``(model, tokenizer, info)``: the model in eval mode with ``config.use_cache``
@@ -330,23 +339,23 @@ def load_model(
     started = time.perf_counter()
     if spec is None or spec == EMBEDDED:
         kind = "embedded"
-        model, tokenizer, source = _load_embedded(dtype, attn_implementation)
+        model, tokenizer, source = _load_embedded(dtype, attn_implementation, placement)
     elif _looks_like_path(spec):
         path = pathlib.Path(spec).expanduser()
         if not path.exists():
             raise OverRepError(f"model path '{spec}' does not exist")
         if path.is_dir():
             kind = "local"
-            model, tokenizer = _load_folder(path, dtype, attn_implementation)
+            model, tokenizer = _load_folder(path, dtype, attn_implementation, placement)
         elif path.suffix == ".gguf":
             kind = "gguf"
-            model, tokenizer = _load_gguf(path, dtype, attn_implementation)
+            model, tokenizer = _load_gguf(path, dtype, attn_implementation, placement)
         else:
             raise OverRepError(f"model path '{spec}' is neither a model folder nor a .gguf file")
         source = str(path.resolve())
     else:
         kind = "hub"
-        model, tokenizer = _load_hub(spec, dtype, attn_implementation)
+        model, tokenizer = _load_hub(spec, dtype, attn_implementation, placement)
         source = spec
     model = _finish(model, dtype)
     config = model.config

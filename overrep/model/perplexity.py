@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import OverRepError
+from .placement import input_device
 
 
 def sliding_windows(length: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
@@ -65,7 +66,7 @@ def perplexity_windows(model, ids: torch.Tensor, seq_len: int, stride: int | Non
     by_len: dict[int, list] = {}
     for r, (b, e, f) in jobs:
         by_len.setdefault(e - b, []).append((r, b, e, f))
-    device = next(model.parameters()).device
+    device = input_device(model)
     was_training = model.training
     model.eval()
     total_nll, total_tokens = 0.0, 0

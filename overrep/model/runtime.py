@@ -9,6 +9,7 @@ import resource
 import torch
 
 from ..errors import OverRepError
+from .placement import named_tensors
 
 
 def digest(obj) -> str:
@@ -19,7 +20,7 @@ def model_fingerprint(model, source: str) -> str:
     """Source, config and a sample of every weight tensor: cheap, and changes with the weights."""
     h = hashlib.sha256(source.encode())
     h.update(model.config.to_json_string(use_diff=False).encode())
-    for name, p in model.state_dict().items():
+    for name, p in named_tensors(model):  # (a model placed by accelerate: offloaded weights read module by module)
         h.update(name.encode())
         h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]

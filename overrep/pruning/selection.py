@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import OverRepError
 from ..model.arch import decoder_layers, final_norm
+from ..model.placement import input_device
 
 
 @dataclass
@@ -110,7 +111,7 @@ def _stream_hidden(model: nn.Module, calibration: torch.Tensor, batch_size: int,
     if on_final is not None:
         handles.append(final_norm(model).register_forward_hook(
             lambda module, args, output: on_final(current[0], _hidden(output))))
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     try:
         for start in range(0, calibration.shape[0], batch_size):
             rows = slice(start, min(start + batch_size, calibration.shape[0]))

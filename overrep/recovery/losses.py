@@ -43,6 +43,7 @@ from ..atomic import save_torch
 from ..errors import OverRepError
 from ..core.precision import autocast
 from ..model.arch import decoder_layers, final_norm, input_norm
+from ..model.placement import execution_device, input_device
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,8 @@ def loss_help() -> str:
 def norm_gain(norm: nn.Module, hidden: int) -> torch.Tensor:
     """The effective per-channel gain γ of an RMS-style norm (γ, or 1 + w for Gemma):
     its output for an all-ones input (rms 1), independent of the weight convention."""
-    p = next(norm.parameters())
-    return norm(torch.ones(1, 1, hidden, device=p.device, dtype=p.dtype)).reshape(-1).float()
+    p = next(norm.parameters())  # (on the meta device where accelerate offloaded it: its hook runs it elsewhere)
+    return norm(torch.ones(1, 1, hidden, device=execution_device(norm), dtype=p.dtype)).reshape(-1).float()
 
 
 def downstream_gain(dense: nn.Module, group) -> torch.Tensor:
@@ -132,7 +133,7 @@ def fisher_diagonal(dense: nn.Module, ids: torch.Tensor, groups, batch: int = 8)
     layers = decoder_layers(dense)
     sums = [torch.zeros(dense.config.hidden_size, dtype=torch.float64) for _ in groups]
     count = 0
-    device = next(dense.parameters()).device
+    device = input_device(dense)
     was = dense.training
     dense.eval()
     for gi, g in enumerate(groups):  # one pass per group: cutting the graph at one point hides the others
@@ -189,7 +190,7 @@ def teacher_topk(dense: nn.Module, ids: torch.Tensor, k: int, batch: int = 8) ->
     """The dense model's top-``k`` next-token log-probabilities of every position: values
     (fp32; their softmax is the renormalised top-k distribution, ``1 − Σ exp`` the mass
     outside it) and vocabulary indices (int32), each ``[N, T, k]``."""
-    device = next(dense.parameters()).device
+    device = input_device(dense)
     vals, idx = [], []
     for i in range(0, ids.shape[0], batch):
         logits = dense(input_ids=ids[i:i + batch].to(device), use_cache=False).logits.float()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ...errors import OverRepError
+from ...model.placement import input_device
 from ...model.width import WidthPlan
 from ..objectives import Objective
 from ..teacher import MethodInputs
@@ -30,7 +31,7 @@ class Method:
 def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     was = model.training
     model.eval()
-    out = model(input_ids=ids.to(next(model.parameters()).device), use_cache=False).logits.float()
+    out = model(input_ids=ids.to(input_device(model)), use_cache=False).logits.float()
     model.train(was)
     return out
 
