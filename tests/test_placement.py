@@ -95,3 +95,14 @@ def test_width_pruning_refuses_a_placed_teacher(assets, tmp_path):
     with pytest.raises(OverRepError, match="width pruning"):
         tiny_cfg(assets, tmp_path / "x", model__device_map="auto", prune__granularity="width", prune__remove=None,
                  prune__ratio=0.25)
+
+
+def test_a_placed_teacher_is_one_process_only(tmp_path):
+    from overrep.model.placement import teacher_placement
+
+    with pytest.raises(OverRepError, match="under torchrun every rank"):
+        teacher_placement("auto", None, 2, tmp_path)
+    assert teacher_placement(None, None, 2, tmp_path) == (None, None)
+    kwargs, folder = teacher_placement("auto", {0: "20GiB", "cpu": "1 GiB"}, 1, tmp_path)
+    assert kwargs["max_memory"] == {0: "20GiB", "cpu": "1GiB"} and kwargs["offload_folder"] == folder.name
+    folder.cleanup()

@@ -34,7 +34,7 @@ from ..eval.measure import generation_latency
 from ..model.accounting import blocks_for_ratio, counted_parameters
 from ..model.arch import check_supported, decoder_layers
 from ..model.loading import load_model
-from ..model.placement import is_placed, placed_copy, placement_kwargs
+from ..model.placement import is_placed, placed_copy, teacher_placement
 from ..model.runtime import digest, model_fingerprint, peak_memory_bytes, resolve_device
 from ..model.surgery import can_stitch, parse_layers, plan_pruning, prune
 from ..model.presets import get_preset
@@ -112,8 +112,10 @@ class Pipeline(BudgetStages):
         torch.manual_seed(cfg.recovery.seed)
         self.device = self.world.device(resolve_device(cfg.model.device))
         t0 = time.perf_counter()
+        placement, self._offload = teacher_placement(cfg.model.device_map, cfg.model.max_memory, self.world.size,
+                                                     self.cache_root)  # model.device_map (None: whole, below)
         self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=_DTYPES[cfg.model.dtype],
-                                                                 placement=self.placement())
+                                                                 placement=placement)
         check_supported(self.dense)
         if is_placed(self.dense):  # where accelerate put the teacher's parts (a device, "cpu" or "disk")
             self.metrics["teacher_device_map"] = {k: str(v) for k, v in self.dense.hf_device_map.items()}
@@ -165,22 +167,6 @@ class Pipeline(BudgetStages):
         self.folder.open()
         self.cfg.save(self.out / "config.yaml")
         write_json(self.out / "plan.json", self.plan.to_dict(), "the pruning plan")
-
-    def placement(self) -> dict | None:
-        """``model.device_map``'s keywords for loading the dense model (None: whole on ``model.device``).
-        Offloaded weights go to a folder under the cache root that lives as long as this run."""
-        m = self.cfg.model
-        if m.device_map is None:
-            return None
-        if self.world.size > 1:
-            raise OverRepError("model.device_map spreads one process's dense model over this machine's devices; "
-                               "under torchrun every rank would place its own copy (use cache.teacher: stream, "
-                               "or one process)")
-        import tempfile
-
-        self.cache_root.mkdir(parents=True, exist_ok=True)
-        self._offload = tempfile.TemporaryDirectory(prefix="offload-", dir=self.cache_root)
-        return placement_kwargs(m.device_map, m.max_memory, Path(self._offload.name))
 
     def select_blocks(self) -> None:
         """The blocks to remove: explicit (``prune.remove``) or chosen by ``prune.criterion``."""

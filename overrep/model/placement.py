@@ -65,6 +65,22 @@ def placement_kwargs(device_map: str | None, max_memory: dict | None, offload_fo
     return out
 
 
+def teacher_placement(device_map: str | None, max_memory: dict | None, ranks: int, cache_root: Path):
+    """``(placement keywords or None, the offload folder or None)`` for a run's dense model: the
+    folder (under the cache root) lives as long as the returned object, or until its ``cleanup()``."""
+    if device_map is None:
+        return None, None
+    if ranks > 1:
+        raise OverRepError("model.device_map spreads one process's dense model over this machine's devices; "
+                           "under torchrun every rank would place its own copy (use cache.teacher: stream, "
+                           "or one process)")
+    import tempfile
+
+    Path(cache_root).mkdir(parents=True, exist_ok=True)
+    folder = tempfile.TemporaryDirectory(prefix="offload-", dir=cache_root)
+    return placement_kwargs(device_map, max_memory, Path(folder.name)), folder
+
+
 def is_placed(model: nn.Module) -> bool:
     """Whether accelerate placed ``model`` (loaded with a ``device_map``)."""
     return bool(getattr(model, "hf_device_map", None))
