@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import OverRepError
 from ..paths import cache_root
+from .placement import is_placed
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def _finish(model: transformers.PreTrainedModel, dtype: torch.dtype) -> transformers.PreTrainedModel:
     """Cast to ``dtype`` (if the loader did not already) and switch to eval mode."""
-    if model.dtype != dtype and not getattr(model, "hf_device_map", None):  # a placed model was loaded in dtype
+    if model.dtype != dtype and not is_placed(model):  # a placed model was loaded in dtype
         model = model.to(dtype)
     return model.eval()
 

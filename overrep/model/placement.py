@@ -54,10 +54,8 @@ def check_placement(device_map: str | None, max_memory: dict | None) -> None:
                 raise OverRepError(f"model.max_memory: size '{size}' for '{device}' must look like 20GiB or 500MB")
 
 
-def placement_kwargs(device_map: str | None, max_memory: dict | None, offload_folder: Path) -> dict | None:
-    """``from_pretrained``'s placement keywords, or None (loaded whole on the CPU)."""
-    if device_map is None:
-        return None
+def placement_kwargs(device_map: str, max_memory: dict | None, offload_folder: Path) -> dict:
+    """``from_pretrained``'s placement keywords."""
     out: dict = {"device_map": device_map, "offload_folder": str(offload_folder)}
     if max_memory:
         out["max_memory"] = {int(k) if str(k).isdigit() else str(k): str(v).replace(" ", "")
@@ -129,6 +127,7 @@ def named_tensors(model: nn.Module, wanted: Callable[[str], bool] = lambda name:
     A tensor yielded from an offloaded module is valid until the next module is read: copy it."""
     from accelerate.utils import align_module_device
 
+    placed = is_placed(model)
     with contextlib.ExitStack() as stack:
         current = None
         for prefix, module in model.named_modules():
@@ -136,7 +135,7 @@ def named_tensors(model: nn.Module, wanted: Callable[[str], bool] = lambda name:
             own = [n for n in own if wanted(n)]
             if not own:
                 continue
-            owner = _offload_owner(model, prefix)
+            owner = _offload_owner(model, prefix) if placed else None
             if owner is not current:
                 stack.close()
                 if owner is not None:
