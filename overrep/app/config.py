@@ -45,7 +45,7 @@ class PruneConfig:
 class RecoveryConfig:
     method: str = "overrep"  # overrep | plain | streamline | lora | adalora | lora-iso | rankadaptor | full-ft | logit-kd | overrep-kd | restorelcc
     preset: str = "hybrid"  # overrep / overrep-kd: built-in preset name (see `overrep presets`) or a preset .yaml file
-    blocks: int = 2  # recovery blocks per removed segment (block before it + blocks after it)
+    blocks: int = 2  # recovery blocks per removed segment (block before it + blocks after it); 1 measured better on a mask of several separate runs (docs/results.md, Block Influence)
     # a module may extend into the model's final block and end at the final norm's output (the paper's
     # layout on its mask); off: it stops before the final block (better per wall-clock: docs/results.md)
     final_block: bool = False
