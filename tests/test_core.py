@@ -13,13 +13,14 @@ from overrep.model.accounting import blocks_for_ratio, meta_model, recovery_acco
 from overrep.model.arch import decoder_layers
 from overrep.errors import OverRepError
 from overrep.core.experts import OvercompleteExperts
+from overrep.app.config import RunConfig
 from overrep.app.export import PROVENANCE_FILE, export_model
 from overrep.model.presets import BUILTIN_PRESETS, Preset, get_preset
 from overrep.core.projection import MergeRefused, OvercompleteLinear, ReparamNorm
 from overrep.model.hooks import capture_layer_context, module_context, teacher_features
 from overrep.model.wrap import apply_preset, count_parameters, has_wrappers, merge_recovery
 from overrep.core.schedule import AlphaSchedule, AnnealedActivation
-from overrep.model.surgery import parse_layers, plan_pruning, prune, remove_layers
+from overrep.model.surgery import parse_layers, plan_pruning, prune, remove_layers, resolve_blocks
 
 from tiny import ARCHS, tiny_ids, tiny_model
 
@@ -196,6 +197,25 @@ def test_final_block_off_keeps_modules_before_the_final_block():
     assert inside.to_dict() == plan_pruning(12, [2, 3, 8]).to_dict()
     (g,) = plan_pruning(30, parse_layers("18-29"), final_block=False).groups  # the run takes the final block
     assert g.module_layers == [17] and g.final_norm
+
+
+def test_auto_blocks_two_for_one_run_one_for_several():
+    """recovery.blocks: auto (the run default) resolves by the mask's runs: 2 for one, 1 for several."""
+    one = plan_pruning(30, parse_layers("9-19"), blocks="auto", final_block=False)  # the default cosine mask
+    assert one.to_dict() == plan_pruning(30, parse_layers("9-19"), blocks=2, final_block=False).to_dict()
+    assert one.groups[0].module_layers == [8, 20]
+    bi = parse_layers("3,5-6,12-17,25-26")  # Block Influence's mask on the embedded model
+    several = plan_pruning(30, bi, blocks="auto", final_block=False)
+    assert several.to_dict() == plan_pruning(30, bi, blocks=1, final_block=False).to_dict()
+    assert [g.module_layers for g in several.groups] == [[2], [4], [11], [24]]
+    assert resolve_blocks(3, bi) == 3
+    for bad in (0, "two", True, 1.5):
+        with pytest.raises(OverRepError, match="recovery.blocks"):
+            resolve_blocks(bad, bi)
+    with pytest.raises(OverRepError, match="recovery.blocks"):
+        RunConfig.load(overrides=["recovery.blocks=many"])
+    assert RunConfig.load(overrides=["recovery.blocks=1"]).recovery.blocks == 1
+    assert RunConfig.load().recovery.blocks == "auto"
 
 
 @pytest.mark.parametrize("bad,msg", [([], "empty"), ([6], "out of range"), (list(range(6)), "leaves no block"),

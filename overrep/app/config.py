@@ -45,7 +45,7 @@ class PruneConfig:
 class RecoveryConfig:
     method: str = "overrep"  # overrep | plain | streamline | lora | adalora | lora-iso | rankadaptor | full-ft | logit-kd | overrep-kd | restorelcc
     preset: str = "hybrid"  # overrep / overrep-kd: built-in preset name (see `overrep presets`) or a preset .yaml file
-    blocks: int = 2  # recovery blocks per removed segment (block before it + blocks after it); 1 measured better on a mask of several separate runs (docs/results.md, Block Influence)
+    blocks: int | str = "auto"  # recovery blocks per removed run (block before it + blocks after it); "auto": 2 for a mask of one run, 1 for several separate runs (each measured better there: docs/results.md)
     # a module may extend into the model's final block and end at the final norm's output (the paper's
     # layout on its mask); off: it stops before the final block (better per wall-clock: docs/results.md)
     final_block: bool = False
@@ -212,8 +212,8 @@ class RunConfig:
             raise OverRepError("recovery.weight_decay and recovery.grad_clip must be >= 0")
         if not all(0 <= b < 1 for b in r.betas):
             raise OverRepError(f"recovery.betas must be in [0, 1), got {list(r.betas)}")
-        if r.blocks < 1:
-            raise OverRepError(f"recovery.blocks must be >= 1, got {r.blocks}")
+        if r.blocks != "auto" and (isinstance(r.blocks, bool) or not isinstance(r.blocks, int) or r.blocks < 1):
+            raise OverRepError(f"recovery.blocks must be an integer >= 1 or 'auto', got {r.blocks!r}")
         if r.threads is not None and r.threads < 1:
             raise OverRepError(f"recovery.threads must be >= 1, got {r.threads}")
         from ..recovery.methods import METHODS

@@ -60,7 +60,7 @@ def blocks_for_ratio(model, ratio: float) -> int:
 
 
 def recovery_account(config: PretrainedConfig | str, removed: list[int], preset: Preset | str = "hybrid", *,
-                     blocks: int = 2, block1_init: str = "stitched", train_bytes: int = 4,
+                     blocks: int | str = 2, block1_init: str = "stitched", train_bytes: int = 4,
                      seq_len: int | None = None, final_block: bool = True) -> dict:
     """Trainable parameters and training memory of ``preset`` for removing ``removed``.
 

@@ -113,7 +113,7 @@ def recoverable_blocks(model: nn.Module, preset: Preset) -> list[bool]:
     return marks
 
 
-def plan_recovery(model: nn.Module, removed: list[int], preset: Preset, *, blocks: int = 2,
+def plan_recovery(model: nn.Module, removed: list[int], preset: Preset, *, blocks: int | str = 2,
                   block1_init: str = "stitched", final_block: bool = True) -> PrunePlan:
     """:func:`~overrep.model.surgery.plan_pruning` for ``model``: each run's module holds
     ``blocks`` blocks that ``preset`` can train (:func:`recoverable_blocks`)."""
