@@ -16,6 +16,7 @@ from overrep.model.accounting import recovery_account
 from overrep.recovery.methods import METHODS, iso_rank, lora_params_per_rank
 from overrep.recovery.objectives import LogitDistillation
 from overrep.app.pipeline import Pipeline
+from overrep.core.precision import resolve_precision
 
 from tiny import run_killed_at, tiny_cfg, tiny_ids, tiny_model
 
@@ -43,6 +44,7 @@ def test_every_method_exports_a_loadable_compact_model(assets, tmp_path, method)
     provenance = json.loads((out / "model" / "overrep.json").read_text())
     assert provenance["method"] == method and provenance["recovery"]["method"] == method
     assert m["lr"] == METHODS[method].default_lr
+    assert m["precision"] == resolve_precision("auto", "cpu")  # the default, resolved for this CPU
     losses = [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert all(torch.isfinite(torch.tensor(losses)))
 

@@ -91,7 +91,7 @@ class RecoveryConfig:
     eval_every: int = 50  # steps between validation measurements (val_loss; val_ppl on data.validation_sequences rows)
     keep_best: bool = True  # end at the checkpoint of lowest val_ppl (among those that fold exactly: alpha = 0) when it beats the last step; needs validation rows
     threads: int | None = None  # torch CPU threads (None = torch's default)
-    precision: str = "bf16"  # training forward of every method: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32"; see docs/speed.md
+    precision: str = "auto"  # training forward of every method: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32" | "auto" (bf16 where the device has bf16 instructions: AVX512-BF16/AMX CPUs, GPUs; else fp32); see docs/speed.md
     shard: str = "none"  # several ranks (torchrun), layer-wise methods: "none" (every rank holds the recovery modules, gradients all-reduced) | "fsdp" (W, D and the recovery blocks sharded over the ranks by torch FSDP2; README "Scaling")
 
 
@@ -300,7 +300,7 @@ class RunConfig:
                 raise OverRepError(f"preset '{preset.name}' cannot recover a width-pruned model: '{bad[0]}' needs D "
                                    f"on its {PRUNED_SIDE[bad[0]]} side (use the preset 'width')")
         self.cache.mode = "live"
-        if r.precision == "bf16":  # full-width P + W under bf16 autocast: ~15x slower a block than fp32 on a CPU
+        if r.precision in ("bf16", "auto"):  # full-width P + W under bf16 autocast: ~15x slower a block than fp32 on a CPU
             r.precision = "fp32"
 
     def total_steps(self) -> int:

@@ -27,6 +27,7 @@ import torch
 
 from .. import __version__
 from ..atomic import write_json
+from ..core.precision import resolve_precision
 from ..data.text import token_splits
 from ..errors import OverRepError
 from ..eval.heldout import domain_perplexities, unseen_domain_rows
@@ -155,7 +156,8 @@ class Pipeline(BudgetStages):
             for target, source in list(g.stitch.items()):  # and a hybrid's one-part block its own
                 if target in self.selection.replaced or not can_stitch(layers, target, source):
                     del g.stitch[target]
-        self.rcfg = dataclasses.replace(r, lr=r.lr if r.lr is not None else self.method.default_lr)
+        self.rcfg = dataclasses.replace(r, lr=r.lr if r.lr is not None else self.method.default_lr,
+                                        precision=resolve_precision(r.precision, self.device))
         self.total_steps = cfg.total_steps()
         self.teacher = self.make_teacher()
         if not create_output or not self.world.is_main:
@@ -292,7 +294,7 @@ class Pipeline(BudgetStages):
         self.metrics["objective"] = self.method.objective
         self.metrics["trainable_params"] = self.recovery.trainable_params
         self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
-        self.metrics["lr"] = self.rcfg.lr
+        self.metrics.update(lr=self.rcfg.lr, precision=self.rcfg.precision)  # precision: resolved for the device
 
     def method_inputs(self) -> MethodInputs:
         return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,

@@ -85,7 +85,8 @@ class PlanOptions:
     cache_dtype: str = CacheConfig.dtype
     dtype: str = ModelConfig.dtype
     """Weights of the dense teacher and the recovery module (``model.dtype``)."""
-    precision: str = RecoveryConfig.precision
+    precision: str = "bf16"
+    """Compute precision of the training forward (``recovery.precision``; a cluster's GPUs have bf16)."""
 
     def check(self) -> None:
         for name in ("blocks", "gpus", "sequences", "seq_len", "batch"):

@@ -12,8 +12,13 @@ KD teacher's included, runs under the autocast; validation stays fp32).
   so the merged model is the fp32 function of the trained weights; the merge check
   compares that with the same module run in fp32.
 
+* ``auto`` (the default): ``bf16`` where the device computes bfloat16 natively, ``fp32``
+  elsewhere (:func:`resolve_precision`).
+
 On this project's 2-core AVX512-BF16 CPU bf16 matmuls of the recovery shapes run
-2.3-2.7x faster than fp32; GPUs have bf16 tensor cores.
+2.3-2.7x faster than fp32; GPUs have bf16 tensor cores. A CPU without bf16 instructions
+(AVX2 only, or AVX-512 without its BF16 extension) emulates them: there a bf16 OverRep step
+measured 84 s against 2-4 s in fp32 (docs/speed.md), hence ``auto``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 
 from ..errors import OverRepError
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def check_precision(value: str, where: str = "recovery.precision") -> str:
@@ -33,9 +38,30 @@ def check_precision(value: str, where: str = "recovery.precision") -> str:
     return value
 
 
-def autocast(precision: str, device: torch.device | str):
-    """The context a recovery forward runs in for ``precision``."""
+def native_bf16(device: torch.device | str) -> bool:
+    """Whether ``device`` computes bfloat16 matmuls in hardware: a CUDA device that reports bf16
+    support, or a CPU with AVX512-BF16 or AMX tiles (what oneDNN's bf16 kernels need)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        cpu = torch.cpu
+        return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                    or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    return device.type in ("xpu", "mps")
+
+
+def resolve_precision(precision: str, device: torch.device | str) -> str:
+    """``precision`` with ``auto`` made concrete for ``device``: bf16 where it is native, else fp32."""
     check_precision(precision)
+    if precision != "auto":
+        return precision
+    return "bf16" if native_bf16(device) else "fp32"
+
+
+def autocast(precision: str, device: torch.device | str):
+    """The context a recovery forward runs in for ``precision`` (``auto`` resolved for ``device``)."""
+    precision = resolve_precision(precision, device)
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
