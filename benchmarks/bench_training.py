@@ -66,6 +66,8 @@ from pathlib import Path
 
 import torch
 
+from overrep.core.precision import native_bf16
+
 CASES = ("overrep_cached", "overrep_live", "plain_cached", "full_backprop", "variants", "whole_model")
 PRESETS = {"overrep_cached": "hybrid", "overrep_live": "hybrid", "plain_cached": "plain-full",
            "full_backprop": "hybrid", "cache_build": "hybrid", "variants": "hybrid", "whole_model": "hybrid"}
@@ -436,7 +438,9 @@ def run_parent(args) -> dict:
                      "num_layers": info["num_layers"], "data": args.data, "batch": args.batch,
                      "seq_len": args.seq_len, "tokens_per_step": m, "steps": args.steps, "warmup": args.warmup,
                      "threads": info["threads"], "torch": torch.__version__, "python": platform.python_version(),
-                     "cpu": cpu_model(), "cpu_count": _cpu_count(), "cases": cases},
+                     "cpu": cpu_model(), "cpu_count": _cpu_count(), "cases": cases,
+                     # AVX512-BF16 or AMX: without them bf16 is emulated (recovery.precision: auto is fp32)
+                     "cpu_native_bf16": native_bf16("cpu")},
         "cases": {},
         "matmul_flops_per_second": max(mm.values()),
         "matmul_flops_per_second_by_shape": mm,
