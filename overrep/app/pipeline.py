@@ -290,11 +290,11 @@ class Pipeline(BudgetStages):
             self.recovery.search_seconds if self.recovery.searched_now else 0.0)
         if self.recovery.search_seconds:
             self.timings["search"] = self.recovery.search_seconds
-        self.metrics["method"] = self.method.name
-        self.metrics["objective"] = self.method.objective
+        self.metrics.update(method=self.method.name, objective=self.method.objective)
         self.metrics["trainable_params"] = self.recovery.trainable_params
         self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
         self.metrics.update(lr=self.rcfg.lr, precision=self.rcfg.precision)  # precision: resolved for the device
+        self.metrics.update({k: v for k, v in self.recovery.describe().items() if k == "loss"})  # layer-wise methods
 
     def method_inputs(self) -> MethodInputs:
         return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,
