@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from overrep.core.precision import native_bf16
+from overrep.core.precision import PRECISIONS, native_bf16, resolve_precision
 
 CASES = ("overrep_cached", "overrep_live", "plain_cached", "full_backprop", "variants", "whole_model")
 PRESETS = {"overrep_cached": "hybrid", "overrep_live": "hybrid", "plain_cached": "plain-full",
@@ -133,7 +133,8 @@ def make_pipeline(args, case: str, preset: str | None = None, method: str = "ove
         "model": {"source": args.model},
         "prune": {"remove": args.remove} if args.remove else {},
         "recovery": {"method": method, "preset": preset or PRESETS[case], "batch_size": args.batch,
-                     "threads": args.threads, "precision": args.precision},
+                     "threads": args.threads, "precision": args.precision,
+                     "time_budget": None},  # no budget probe: the bench times its own steps
         "data": {"source": args.data, "seq_len": args.seq_len, "heldout_sequences": 1,
                  "train_sequences": args.batch * (args.warmup + args.steps)},
         "cache": {"dir": str(work / "cache"), "mode": "live" if case == "overrep_live" else "disk"},
@@ -492,8 +493,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per case (default 5)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--precision", default="bf16", choices=("fp32", "bf16"),
-                    help="recovery.precision of the per-case children (the variants case runs both)")
+    ap.add_argument("--precision", default="auto", choices=PRECISIONS,
+                    help="recovery.precision of the per-case children, auto as in a run: bf16 where the "
+                         "CPU has bf16 instructions, else fp32 (the variants case runs both)")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     ap.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # child mode
@@ -501,6 +503,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.batch < 1:
         ap.error("--steps must be >= 1, --warmup >= 0, --batch >= 1")
+    args.precision = resolve_precision(args.precision, "cpu")
     report = run_child(args) if args.case else run_parent(args)
     text = json.dumps(report, indent=2)
     if args.json_out:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from overrep.core.precision import resolve_precision
 from tiny import make_tiny_model_dir
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_training.py"
@@ -63,7 +64,7 @@ def test_bench_script_tiny(tmp_path):
                 "overrep_bf16_schedule_tokens_per_second_vs_fp32_today", "overrep_fp32_linear_fold_speedup",
                 "narrow_schedule_vs_plain_step_time_bf16"):
         assert key in r, key
-    assert "torch_compile" in report and s["precision"] == "bf16"
+    assert "torch_compile" in report and s["precision"] == resolve_precision("auto", "cpu")  # the default
     # the whole-model methods in both precisions, side by side
     w = report["whole_model"]
     for method in ("lora-iso", "overrep-kd"):

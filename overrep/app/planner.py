@@ -136,7 +136,8 @@ def _preset_rows(config, removed: list[int], opts: PlanOptions) -> list[dict]:
     """Parameters, training state and training FLOPs of every built-in preset (and of the
     single fine-tuned block Streamline trains: ``plain-full`` with one block)."""
     weight_bytes = BYTES[opts.dtype]
-    autocast_copy = 2 if opts.precision == "bf16" and opts.dtype == "float32" else 0
+    # "auto" is bf16 on the bf16-capable GPUs a plan is for
+    autocast_copy = 2 if opts.precision in ("bf16", "auto") and opts.dtype == "float32" else 0
     rows = []
     streamline = [("plain-full", 1)] if opts.blocks != 1 else []
     for name, blocks in [(p, opts.blocks) for p in BUILTIN_PRESETS] + streamline:
