@@ -294,7 +294,7 @@ class Pipeline(BudgetStages):
         self.metrics["trainable_params"] = self.recovery.trainable_params
         self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
         self.metrics.update(lr=self.rcfg.lr, precision=self.rcfg.precision)  # precision: resolved for the device
-        self.metrics.update({k: v for k, v in self.recovery.describe().items() if k == "loss"})  # layer-wise methods
+        self.metrics["loss"] = self.recovery.describe().get("loss")  # the layer-wise loss; None for LM/KD methods
 
     def method_inputs(self) -> MethodInputs:
         return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,

@@ -56,7 +56,7 @@ def _preset_lines(p: dict) -> list[str]:
         lines.append(f"{name + mark:22s} {count(r['trainable_params']):>10s} {count(r['module_params']):>10s} "
                      f"{size(r['train_state_bytes']):>12s} {flops(r['train_flops_per_token']):>18s}")
     w = 4 if o["dtype"] == "float32" else 2
-    copy = " + 2 B autocast bf16 copy per module parameter" if o["precision"] in ("bf16", "auto") and w == 4 else ""
+    copy = " + 2 B autocast bf16 copy per module parameter" if o["precision"] == "bf16" and w == 4 else ""
     lines.append(f"train state = AdamW: {w} B weight + {w} B gradient + 8 B moments per trainable parameter, "
                  f"{w} B per frozen module parameter{copy} ({o['dtype']} weights, {o['precision']} compute); "
                  "activations not included")

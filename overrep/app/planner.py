@@ -98,6 +98,8 @@ class PlanOptions:
             if getattr(self, name) not in BYTES:
                 raise OverRepError(f"--{name.replace('_', '-')} must be float32 or bfloat16, got {getattr(self, name)!r}")
         check_precision(self.precision, "--precision")
+        if self.precision == "auto":  # a plan is for a cluster's GPUs, which compute bf16
+            self.precision = "bf16"
         if self.preset not in BUILTIN_PRESETS:
             raise OverRepError(f"--preset must be a built-in preset ({', '.join(BUILTIN_PRESETS)}), got {self.preset!r}")
         parse_size(self.gpu_mem, "--gpu-mem")
@@ -136,8 +138,7 @@ def _preset_rows(config, removed: list[int], opts: PlanOptions) -> list[dict]:
     """Parameters, training state and training FLOPs of every built-in preset (and of the
     single fine-tuned block Streamline trains: ``plain-full`` with one block)."""
     weight_bytes = BYTES[opts.dtype]
-    # "auto" is bf16 on the bf16-capable GPUs a plan is for
-    autocast_copy = 2 if opts.precision in ("bf16", "auto") and opts.dtype == "float32" else 0
+    autocast_copy = 2 if opts.precision == "bf16" and opts.dtype == "float32" else 0
     rows = []
     streamline = [("plain-full", 1)] if opts.blocks != 1 else []
     for name, blocks in [(p, opts.blocks) for p in BUILTIN_PRESETS] + streamline:
