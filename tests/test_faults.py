@@ -385,3 +385,104 @@ def test_huge_documents_are_tokenised_piece_by_piece(assets, monkeypatch):
     rows = data.pack_documents([huge, huge], tok, 32, max_sequences=20, progress=False)
     assert rows.shape == (20, 32)
     assert max(seen) <= data.PIECE_CHARS and sum(seen) < 3 * data.PIECE_CHARS
+
+
+# ---- a broken model, a folder two runs want, flags that contradict each other --------
+def nan_model(assets, tmp_path) -> Path:
+    """The tiny model with one NaN in a block every mask here keeps (block 1)."""
+    from safetensors.torch import load_file, save_file
+
+    import shutil
+
+    folder = tmp_path / "nan-llama"
+    shutil.copytree(assets / "tiny-llama", folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_nan_weight_is_refused_before_anything_is_written(assets, tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    tiny_cfg(assets, out, model__source=str(nan_model(assets, tmp_path))).save(cfg)
+    code, err = run_cli(capsys, "run", "--config", str(cfg), "--max-steps", "2", "--quiet")
+    assert code == 2 and "model.layers.1.mlp.down_proj.weight" in err and "non-finite" in err, err
+    assert not out.exists() and not leftovers(out)
+
+
+def test_a_non_finite_perplexity_is_an_error_not_a_result(assets, tmp_path):
+    p = Pipeline(tiny_cfg(assets, tmp_path / "run", eval__latency=False), progress=False)
+    p.load(create_output=False)
+    p.prune()
+    with torch.no_grad():
+        p.pruned.lm_head.weight[0, 0] = float("inf")  # tied: the embedding row of token 0 too
+    with pytest.raises(OverRepError, match="pruned model's perplexity .* not finite"):
+        p.evaluate_model(p.pruned, "pruned")
+    assert "pruned_ppl" not in p.metrics
+
+
+def test_resume_and_overwrite_together_are_refused(assets, tmp_path, capsys):
+    out = tmp_path / "run"
+    before = finished_run(assets, out)
+    cfg = tmp_path / "cfg.yaml"
+    tiny_cfg(assets, out).save(cfg)
+    code, err = run_cli(capsys, "run", "--config", str(cfg), "--resume", "--overwrite", "--quiet")
+    assert code == 2 and err.startswith("overrep: error: --resume") and "give one" in err
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("args,word", [(["run", "--ratio", "0.2", "--remove", "3"], "not allowed with"),
+                                       (["run", "--criterion", "cosine", "--remove", "3"], "--criterion"),
+                                       (["eval", "embedded", "--perplexity", "--tasks", "arc_easy"], "--tasks"),
+                                       (["eval", "embedded", "--seq-len", "64"], "--seq-len")])
+def test_contradictory_flags_get_one_line(capsys, args, word):
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's own checks exit directly, in overrep's one-line form
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("overrep: error:") and word in err[0], err
+
+
+def test_the_output_lock_names_its_holder_and_is_taken_over_when_stale(tmp_path, caplog):
+    from overrep.app.runlock import RunLock, lock_path
+
+    folder = tmp_path / "run"
+    first, second = RunLock(folder), RunLock(folder)
+    first.acquire()
+    with pytest.raises(OverRepError, match=rf"in use by another overrep run \(process {os.getpid()}"):
+        second.acquire()
+    first.release()
+    assert not lock_path(folder).exists()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock_path(folder).write_text(json.dumps({"pid": dead.pid, "host": "x", "started": 0}))  # left by kill -9
+    second.acquire()
+    assert f"process {dead.pid}" in caplog.text and "no longer running" in caplog.text
+    second.release()
+
+
+def test_two_runs_into_one_folder_leave_one_finished_run(assets, tmp_path):
+    """Started together: the second stops at once naming the first; the first finishes intact."""
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    tiny_cfg(assets, out, recovery__steps=4, **QUIET).save(cfg)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "overrep.app.cli", "run", "--config", str(cfg), "--quiet"]
+    first = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    lock = out.with_name(f".{out.name}.lock")
+    deadline = time.monotonic() + 120
+    while not lock.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lock.exists(), "the first run never took the folder"
+    second = subprocess.run([*cmd, "--set", "recovery.lr=3e-4"], env=env, capture_output=True, text=True)
+    assert first.wait(timeout=300) == 0, first.stderr.read()
+    err = second.stderr.strip().splitlines()
+    assert second.returncode == 2 and f"in use by another overrep run (process {first.pid}" in err[-1], err
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["lr"] == 1e-3 and RunConfig.load(out / "config.yaml").recovery.lr == 1e-3
+    assert (out / "model" / "model.safetensors").is_file() and not leftovers(out)

@@ -53,13 +53,22 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _refuse_contradictions(args) -> None:
+    """Flags that ask for two incompatible things are refused, never silently resolved."""
+    pairs = (("resume", "overwrite", "--resume continues the run in --output, --overwrite replaces it"),
+             ("max_steps", "time_budget", "--max-steps and --time-budget both fix the step count"),
+             ("criterion", "remove", "--criterion chooses the blocks a --ratio removes, --remove names them"))
+    for a, b, why in pairs:
+        if getattr(args, a, None) not in (None, False) and getattr(args, b, None) not in (None, False):
+            raise OverRepError(f"{why}; give one")
+
+
 def _config(args):
     from .config import RunConfig
 
+    _refuse_contradictions(args)
     overrides = list(args.set)
     given = {item.split("=", 1)[0].strip() for item in overrides}
-    if getattr(args, "max_steps", None) is not None and getattr(args, "time_budget", None) is not None:
-        raise OverRepError("--max-steps and --time-budget both fix the step count; give one")
     for flag, key in (("model", "model.source"), ("preset", "recovery.preset"), ("output", "output"),
                       ("max_steps", "recovery.steps"), ("time_budget", "recovery.time_budget"), ("method", "recovery.method"), ("loss", "recovery.loss"),
                       ("criterion", "prune.criterion"), ("prune", "prune.granularity")):
@@ -184,8 +193,17 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    ppl_only = [f for f in ("data", "seq_len", "stride", "sequences") if getattr(args, f) is not None]
+    bench_only = [f for f in ("tasks", "limit", "num_fewshot", "compare") if getattr(args, f) is not None]
+    if args.perplexity and bench_only:
+        raise OverRepError(f"--{bench_only[0].replace('_', '-')} is a benchmark option; --perplexity measures "
+                           "perplexity only")
+    if not args.perplexity and ppl_only:
+        raise OverRepError(f"--{ppl_only[0].replace('_', '-')} is a perplexity option; add --perplexity")
     if not args.perplexity:
         return cmd_benchmarks(args)
+    args.seq_len = args.seq_len or 256
+    args.sequences = args.sequences or 48
     from ..model.loading import load_model
     from ..eval.retained import heldout_perplexity
 
@@ -204,10 +222,10 @@ def add_benchmark_arguments(parser) -> None:
     from ..eval.benchmarks import BENCHMARKS
     from ..eval.lmeval import DEFAULT_BATCH_SIZE, QUICK_LIMIT
 
-    parser.add_argument("--tasks", default="reasoning",
+    parser.add_argument("--tasks",
                         help="suites (reasoning, generation, all) and/or benchmarks, comma-separated "
                              f"(default: reasoning; benchmarks: {BENCHMARKS.choices()})")
-    parser.add_argument("--limit", default="quick",
+    parser.add_argument("--limit",
                         help=f"documents per benchmark: N, 'quick' (default: {QUICK_LIMIT['reasoning']} per reasoning, "
                              f"{QUICK_LIMIT['generation']} per generation benchmark; MMLU takes ceil(N/57) per "
                              "subject) or 'full'")
@@ -232,6 +250,7 @@ def cmd_benchmarks(args) -> int:
     from ..eval.lmeval import evaluate_benchmarks, format_table, load_results
     from ..eval.retained import format_retained, retained_performance
 
+    args.tasks, args.limit = args.tasks or "reasoning", args.limit or "quick"
     batch = args.batch_size
     if isinstance(batch, str):
         batch = batch if batch == "auto" else _int_arg(batch, "--batch-size")
@@ -361,10 +380,17 @@ def cmd_methods(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with overrep's one-line errors (``overrep: error: ...``, exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"overrep: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ..pruning.registry import CRITERIA
 
-    parser = argparse.ArgumentParser(prog="overrep", description="Prune decoder blocks and recover with OverRep.")
+    parser = _Parser(prog="overrep", description="Prune decoder blocks and recover with OverRep.")
     sub = parser.add_subparsers(dest="command", required=False)
     for name, help_ in (("run", "the whole job: prune, cache, recover, merge, export, evaluate, report"),
                         ("inspect", "the pruning plan and the parameter/memory account (no training)"),
@@ -379,10 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("model", help="model folder, .gguf file, hub id or 'embedded'")
     ev.add_argument("--perplexity", action="store_true", help="held-out perplexity instead of benchmarks")
     ev.add_argument("--data", help="text source for --perplexity (default: the embedded corpus)")
-    ev.add_argument("--seq-len", type=int, default=256)
-    ev.add_argument("--stride", type=int, default=None, help="window stride (default: --seq-len, no overlap)")
-    ev.add_argument("--sequences", type=int, default=48)
-    ev.add_argument("--quiet", action="store_true")
+    ev.add_argument("--seq-len", type=int, help="--perplexity: tokens per window (default 256)")
+    ev.add_argument("--stride", type=int, default=None, help="--perplexity: window stride (default: --seq-len, no overlap)")
+    ev.add_argument("--sequences", type=int, help="--perplexity: windows scored (default 48)")
+    ev.add_argument("--quiet", action="store_true", help="no progress bars")
     add_benchmark_arguments(ev)
     _plan_parser(sub)
     sub.add_parser("presets", help="list the built-in presets")

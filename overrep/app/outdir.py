@@ -13,10 +13,14 @@ Rules (the README's "What happens when things go wrong" describes them for users
   ``config.yaml`` and ``plan.json`` are removed, a replaced run is restored), so the
   corrected command simply runs. A run that has checkpoints stays, to be resumed.
 * ``metrics.json`` is written last: its presence marks a finished run.
+* A folder belongs to one run at a time (:mod:`overrep.app.runlock`): the lock is taken
+  before the folder is checked and released when the run ends, so a second run into the
+  same folder stops at once, naming the process that holds it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from ..atomic import fsync_dir, make_dirs, write_error
 from ..errors import OverRepError
+from .runlock import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,16 @@ class RunFolder:
         self.path = Path(path)
         self.resume, self.overwrite, self.reuse = resume, overwrite, reuse
         self.created = False  # this process created (or replaced) the folder
+        self._lock = RunLock(self.path)
+
+    # ---- owning --------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take the folder for this run, or fail naming the run that has it."""
+        self.check_path()
+        self._lock.acquire()
+
+    def unlock(self) -> None:
+        self._lock.release()
 
     # ---- looking -------------------------------------------------------------------
     @property
@@ -65,13 +80,17 @@ class RunFolder:
         ckpt = self.path / "checkpoints"
         return (ckpt.is_dir() and any(ckpt.glob("step-*.pt"))) or (self.path / "pruned-model").is_dir()
 
-    def check(self) -> None:
-        """Refuse, before anything is loaded or written, what the flags do not allow."""
+    def check_path(self) -> None:
         out = self.path
         if not str(out).strip():
             raise OverRepError("the output folder must not be empty (--output)")
         if out.exists() and not out.is_dir():
             raise OverRepError(f"output path '{out}' exists and is not a folder")
+
+    def check(self) -> None:
+        """Refuse, before anything is loaded or written, what the flags do not allow."""
+        out = self.path
+        self.check_path()
         entries = [n for n in self.entries() if not n.startswith(".")]
         if self.overwrite:
             alien = self.foreign()
@@ -98,6 +117,19 @@ class RunFolder:
                                f"(e.g. '{self.foreign()[0]}'); choose another --output")
         raise OverRepError(f"output folder '{out}' holds an unfinished run; pass --resume to continue it "
                            "or --overwrite to start over")
+
+    def check_same_config(self, cfg) -> None:
+        """``--resume`` (or a single stage into a run folder) continues the run saved there only."""
+        from .config import RunConfig
+
+        if not (self.path / "config.yaml").exists():
+            return
+        saved, mine = RunConfig.load(self.path / "config.yaml").to_dict(), cfg.to_dict()
+        diff = [k for k in mine if k != "output" and json.dumps(mine[k], default=str)
+                != json.dumps(saved[k], default=str)]
+        if diff:
+            raise OverRepError(f"--resume with a different configuration (section '{diff[0]}' differs from "
+                               f"{self.path / 'config.yaml'})")
 
     # ---- writing -------------------------------------------------------------------
     def open(self) -> None:

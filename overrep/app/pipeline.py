@@ -1,15 +1,13 @@
 """The end-to-end job: prune -> cache -> recover -> merge -> export -> evaluate.
 
-Read top to bottom; each stage is a method of :class:`Pipeline` so the CLI can run a
-stage on its own (``overrep cache``, ``overrep recover`` ...) or all of them
-(``overrep run``). Everything a run produces lives in its output folder:
+Read top to bottom; each stage is a method of :class:`Pipeline` so the CLI can run a stage on
+its own (``overrep cache``, ``overrep recover`` ...) or all of them (``overrep run``). A run's
+output folder (its rules: :mod:`overrep.app.outdir`):
 
     config.yaml      resolved configuration          plan.json      removed blocks, modules
     checkpoints/     resumable training state        train_log.jsonl  per-step losses
     model/           the compact Hugging Face model  metrics.json   numbers (written last)
     report.md        readable summary with plots     plots/         PNG figures
-
-``metrics.json`` is written last, so its presence marks a finished run.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import platform
 import time
@@ -30,18 +27,18 @@ from ..atomic import write_json
 from ..core.precision import resolve_precision
 from ..data.text import token_splits
 from ..errors import OverRepError
-from ..eval.heldout import domain_perplexities, unseen_domain_rows
+from ..eval.heldout import domain_perplexities, require_finite, unseen_domain_rows
 from ..eval.measure import generation_latency
 from ..model.accounting import blocks_for_ratio, counted_parameters
 from ..model.arch import check_supported, decoder_layers
 from ..model.loading import load_model
 from ..model.placement import is_placed, placed_copy, teacher_placement
-from ..model.runtime import digest, model_fingerprint, peak_memory_bytes, resolve_device
+from ..model.runtime import check_finite, digest, model_fingerprint, peak_memory_bytes, resolve_device
 from ..model.surgery import can_stitch, parse_layers, plan_pruning, prune
 from ..model.presets import get_preset
 from ..model.wrap import count_parameters, plan_recovery
 from ..pruning.cached import cached_selection
-from ..pruning.criteria import NEEDS_CALIBRATION
+from ..pruning.criteria import NEEDS_CALIBRATION, Selection
 from ..recovery.budget import Deadline, parse_duration
 from ..recovery.methods import build_recovery, get_method
 from ..recovery.teacher import MethodInputs, Teacher
@@ -80,16 +77,16 @@ class Pipeline(BudgetStages):
         The folder is rank 0's: the other ranks never write into it."""
         if not self.world.is_main:
             return
-        self.folder = RunFolder(self.out, resume=self.resume, overwrite=self.overwrite, reuse=self.reuse)
-        self.folder.check()
-        if (self.resume or self.reuse) and not self.overwrite and (self.out / "config.yaml").exists():
-            saved = RunConfig.load(self.out / "config.yaml")
-            mine = self.cfg.to_dict()
-            diff = [k for k in mine if k != "output" and json.dumps(mine[k], default=str)
-                    != json.dumps(saved.to_dict()[k], default=str)]
-            if diff:
-                raise OverRepError(f"--resume with a different configuration (section '{diff[0]}' differs from "
-                                   f"{self.out / 'config.yaml'})")
+        folder = RunFolder(self.out, resume=self.resume, overwrite=self.overwrite, reuse=self.reuse)
+        folder.lock()  # first: another run's folder is named as such, and what check() sees stays true
+        try:
+            folder.check()
+            if (self.resume or self.reuse) and not self.overwrite:
+                folder.check_same_config(self.cfg)
+        except BaseException:
+            folder.unlock()
+            raise
+        self.folder = folder
 
     @contextlib.contextmanager
     def output_guard(self):
@@ -98,12 +95,15 @@ class Pipeline(BudgetStages):
         try:
             yield
         except BaseException:
-            folder = getattr(self, "folder", None)
-            if folder is not None:
-                folder.rollback()
+            if getattr(self, "folder", None) is not None:
+                self.folder.rollback()
             raise
-        if getattr(self, "folder", None) is not None:
-            self.folder.commit()
+        else:
+            if getattr(self, "folder", None) is not None:
+                self.folder.commit()
+        finally:
+            if getattr(self, "folder", None) is not None:
+                self.folder.unlock()  # the output folder is free for the next run
 
     # ---- stage 1: model, plan, data ------------------------------------------------
     def load(self, create_output: bool = True) -> None:
@@ -118,6 +118,7 @@ class Pipeline(BudgetStages):
         self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=_DTYPES[cfg.model.dtype],
                                                                  placement=placement)
         check_supported(self.dense)
+        check_finite(self.dense, "model")
         if is_placed(self.dense):  # where accelerate put the teacher's parts (a device, "cpu" or "disk")
             self.metrics["teacher_device_map"] = {k: str(v) for k, v in self.dense.hf_device_map.items()}
         else:
@@ -175,8 +176,6 @@ class Pipeline(BudgetStages):
         cfg = self.cfg
         t0 = time.perf_counter()
         if cfg.prune.remove is not None:
-            from ..pruning.criteria import Selection
-
             self.selection = Selection(parse_layers(str(cfg.prune.remove)))
         else:
             n = blocks_for_ratio(self.dense, cfg.prune.ratio)
@@ -250,6 +249,7 @@ class Pipeline(BudgetStages):
         if ev.perplexity:
             ppl = domain_perplexities(model, self.heldout_ids, self.data_info.get("components"), self.unseen_ids,
                                       desc=f"ppl {tag}", progress=self.progress)
+            require_finite(ppl, f"the {tag} model's")  # never a finished run with a NaN in it
             self.metrics[f"{tag}_ppl"] = ppl["all"]
             if ppl["domains"] or ppl["unseen"]:
                 self.metrics[f"{tag}_ppl_domains"] = {**ppl["domains"], **ppl["unseen"]}
@@ -408,9 +408,8 @@ class Pipeline(BudgetStages):
 
     def export_pruned(self) -> Path:
         """The pruned model without recovery, as a loadable folder (a baseline)."""
-        provenance = {"overrep_version": __version__, "source_model": self.model_info,
-                      "removed_layers": list(self.plan.removed), "plan": self.plan.to_dict(), "method": "none",
-                      "config": self.cfg.to_dict()}
+        provenance = {"overrep_version": __version__, "source_model": self.model_info, "method": "none",
+                      "removed_layers": list(self.plan.removed), "plan": self.plan.to_dict(), "config": self.cfg.to_dict()}
         return export_model(self.pruned, self.tokenizer, self.out / "pruned-model", provenance, overwrite=True)
 
     # ---- everything ----------------------------------------------------------------

@@ -57,3 +57,11 @@ def domain_perplexities(model, heldout: torch.Tensor, components: list[dict] | N
     out["unseen"] = {name: perplexity(model, ids, desc=f"{desc} {name}", progress=progress)
                      for name, ids in unseen.items()}
     return out
+
+
+def require_finite(ppl: dict, whose: str) -> None:
+    """A one-line error when any perplexity of :func:`domain_perplexities` is NaN or infinite."""
+    values = [("all rows", ppl["all"]), *ppl["domains"].items(), *ppl["unseen"].items()]
+    bad = [(name, v) for name, v in values if not math.isfinite(v)]
+    if bad:
+        raise OverRepError(f"{whose} perplexity on {bad[0][0]} is {bad[0][1]}: its outputs are not finite")

@@ -26,6 +26,16 @@ def model_fingerprint(model, source: str) -> str:
     return h.hexdigest()[:16]
 
 
+def check_finite(model, what: str = "model") -> None:
+    """Every weight finite, or a one-line error naming the first tensor that is not: a NaN or
+    an infinity in a loaded checkpoint would otherwise run to the end and export garbage."""
+    for name, p in named_tensors(model):
+        if p.is_floating_point() and p.device.type != "meta" and not torch.isfinite(p).all():
+            bad = int((~torch.isfinite(p)).sum())
+            raise OverRepError(f"{what} weight '{name}' holds {bad} non-finite value(s) (NaN or inf); "
+                               "the checkpoint is broken")
+
+
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
