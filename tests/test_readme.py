@@ -138,17 +138,26 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def test_readme_links_exist():
-    text = README.read_text()
-    links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", t)]
-    assert links
+def check_links(page: Path) -> None:
+    """Every relative link of a page names a file that exists, and a heading there if it has #."""
+    links = [t for t in re.findall(r"\]\(([^)\s]+)\)", page.read_text()) if not re.match(r"[a-z]+:", t)]
     for link in links:
         path, _, anchor = link.partition("#")
-        target = ROOT / path if path else README
-        assert target.exists(), f"README links to {path}, which does not exist"
+        target = page.parent / path if path else page
+        assert target.exists(), f"{page.name} links to {path}, which does not exist"
         if anchor and target.suffix == ".md":
             headings = re.findall(r"^#+ (.*)$", target.read_text(), re.M)
             assert anchor in {_slug(h) for h in headings}, f"{path} has no heading for #{anchor}"
+
+
+def test_readme_links_exist():
+    assert re.search(r"\]\(docs/", README.read_text())
+    check_links(README)
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_docs_links_exist(page):
+    check_links(ROOT / "docs" / page)
 
 
 def test_every_docs_page_is_linked_from_the_readme():
