@@ -1,6 +1,6 @@
 """A run's output folder: when it may be written, replaced or resumed, and undoing a failed start.
 
-Rules (the README's "What happens when things go wrong" describes them for users):
+Rules (docs/configuration.md, "What happens when things go wrong", describes them for users):
 
 * Nothing is written before the whole run has validated (configuration, model, data,
   plan): :meth:`RunFolder.check` only looks, :meth:`RunFolder.open` is the first write.
