@@ -276,7 +276,9 @@ def cmd_plan(args) -> int:
         print(json.dumps({"source": source, **width_account(config, args.ratio or 0.25)}, indent=2))
         return 0
     fields = ("ratio", "remove", "preset", "blocks", "gpus", "gpu_mem", "disk", "sequences", "seq_len", "batch",
-              "epochs", "cache_dtype", "dtype", "precision")
+              "epochs", "cache_dtype", "dtype", "precision", "nodes", "data", "run_model")
+    if args.run_model is None and not str(args.model).endswith(".json"):
+        args.run_model = args.model  # the command runs the model the plan read
     plan = make_plan(config, PlanOptions(**{k: getattr(args, k) for k in fields if getattr(args, k) is not None}),
                      source=source)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
@@ -302,7 +304,10 @@ def _plan_parser(sub) -> None:
                              ("epochs", float, "passes over the data (default 20, the paper's OverRep)")):
         p.add_argument(f"--{flag}", type=kind, help=text)
     p.add_argument("--cache-dtype", choices=("float32", "bfloat16"), help="stored feature dtype (default float32)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="model weights (default float32)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), help="model weights (default auto: bf16 on GPUs)")
+    p.add_argument("--nodes", type=int, help="machines the --gpus are spread over (default 1)")
+    p.add_argument("--data", help="the command's data.source (default the paper's FineWeb-Edu)")
+    p.add_argument("--run-model", help="the model folder or hub id the printed command runs (default --model)")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="recovery compute precision (default bf16)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 

@@ -54,6 +54,7 @@ from .budgeting import BudgetStages
 from .config import RunConfig
 from .export import export_model
 from .outdir import RunFolder
+from .runinfo import how_it_ran
 
 log = logging.getLogger(__name__)
 
@@ -113,20 +114,18 @@ class Pipeline(BudgetStages):
         self.device = self.world.device(resolve_device(cfg.model.device))
         t0 = time.perf_counter()
         dtype = resolve_model_dtype(cfg.model.dtype, self.device)
-        if cfg.cache.teacher == "stream":  # never whole: blocks read from the safetensors shards as they run
-            self._offload = None
-            self.dense, self.tokenizer, self.model_info = onload.load_onloaded(cfg.model.source, dtype=dtype,
-                                                                               device=self.device)
-        else:
-            placement, self._offload = teacher_placement(cfg.model.device_map, cfg.model.max_memory, self.world.size,
-                                                         self.cache_root)  # model.device_map (None: whole, below)
-            self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=dtype, placement=placement)
+        stream = cfg.cache.teacher == "stream"  # never whole: blocks read from the safetensors shards as they run
+        placement, self._offload = (None, None) if stream else teacher_placement(
+            cfg.model.device_map, cfg.model.max_memory, self.world.size, self.cache_root)  # None: whole, below
+        self.dense, self.tokenizer, self.model_info = (onload.load_onloaded(cfg.model.source, dtype=dtype,
+            device=self.device) if stream else load_model(cfg.model.source, dtype=dtype, placement=placement))
         check_supported(self.dense)
         if is_placed(self.dense):  # where accelerate put the teacher's parts (a device, "cpu" or "disk")
             self.metrics["teacher_device_map"] = {k: str(v) for k, v in self.dense.hf_device_map.items()}
         elif not onload.is_onloaded(self.dense):  # (an onloaded model is on self.device already)
             self.dense.to(self.device)
         self.timings["load_model"] = time.perf_counter() - t0
+        self.metrics["run"] = how_it_ran(self.world, self.device, cfg.recovery.shard, cfg.cache.teacher, dtype)
         self.num_layers = len(decoder_layers(self.dense))
         self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
         r = cfg.recovery
@@ -215,8 +214,7 @@ class Pipeline(BudgetStages):
             keep |= {src for g in self.plan.groups for src in g.stitch.values()}
             model = placed_copy(self.dense, keep, self.device)
         elif onload.is_onloaded(self.dense):  # real weights only in the blocks recovery trains
-            model = onload.onloaded_copy(self.dense, onload.trained_blocks(
-                self.plan, self.method.family, self.num_layers, self.selection.replaced))
+            model = onload.pruned_copy(self.dense, self.plan, self.method.family, self.selection.replaced)
         else:
             model = copy.deepcopy(self.dense)
         if self.width:
@@ -384,8 +382,6 @@ class Pipeline(BudgetStages):
 
     # ---- stage 6: export -----------------------------------------------------------
     def export(self) -> Path:
-        from transformers import AutoModelForCausalLM
-
         provenance = {
             "overrep_version": __version__,
             "source_model": self.model_info,
@@ -400,10 +396,7 @@ class Pipeline(BudgetStages):
             "config": self.cfg.to_dict(),
         }
         path = export_model(self.pruned, self.tokenizer, self.out / "model", provenance, overwrite=True)
-        if onload.is_onloaded(self.pruned):  # reloaded as it was trained: block by block
-            reloaded = onload.load_onloaded(str(path), dtype=self.pruned.dtype, device=self.device)[0]
-        else:
-            reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.pruned.dtype).to(self.device).eval()
+        reloaded = onload.reload(path, self.pruned, self.device)  # as it was held: whole or block by block
         ids = self.heldout_ids[:1].to(self.device)
         with torch.no_grad():
             d = (reloaded(ids).logits - self.pruned(ids).logits).abs().max().item()

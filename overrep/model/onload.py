@@ -77,10 +77,12 @@ def is_lazy(block: nn.Module) -> bool:
     return getattr(block, SOURCE_ATTR, None) is not None
 
 
-def _set(module: nn.Module, name: str, value: torch.Tensor) -> None:
+def _set(module: nn.Module, name: str, value: torch.Tensor, trainable: bool = True) -> None:
+    """A new parameter object (``trainable`` as ``from_pretrained`` leaves real weights; a
+    lazy block's read weights never are)."""
     owner, _, attr = name.rpartition(".")
     target = module.get_submodule(owner) if owner else module
-    target._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    target._parameters[attr] = nn.Parameter(value, requires_grad=trainable)
 
 
 def _unload(block: nn.Module) -> None:
@@ -88,7 +90,7 @@ def _unload(block: nn.Module) -> None:
     as long as a backward needs them)."""
     for name, p in list(block.named_parameters()):
         if p.dim() > 1 and p.device.type != "meta":
-            _set(block, name, torch.empty_like(p, device="meta"))
+            _set(block, name, torch.empty_like(p, device="meta"), trainable=False)
 
 
 def _make_lazy(block: nn.Module, prefix: str, state: _Onload) -> None:
@@ -97,7 +99,7 @@ def _make_lazy(block: nn.Module, prefix: str, state: _Onload) -> None:
             _unload(state.resident)  # a forward stopped early (StopForward) left it loaded
         for name, t in state.block_tensors(prefix, module).items():
             if t.dim() > 1:
-                _set(module, name, t.to(state.device))
+                _set(module, name, t.to(state.device), trainable=False)
         state.resident = module
 
     def unload(module, args, output):
@@ -109,9 +111,11 @@ def _make_lazy(block: nn.Module, prefix: str, state: _Onload) -> None:
     block.register_forward_hook(unload)
 
 
-def _skeleton(state: _Onload, config, real: set[int], attn_implementation: str) -> nn.Module:
+def _skeleton(state: _Onload, config, real: set[int], attn_implementation: str,
+              outside_from: nn.Module | None = None) -> nn.Module:
     """The model with real tensors outside the blocks and in the blocks ``real``; the other
-    blocks lazy (their 1-D tensors real)."""
+    blocks lazy (their 1-D tensors real). ``outside_from``: a model whose tensors outside the
+    blocks are shared rather than read again."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -124,8 +128,12 @@ def _skeleton(state: _Onload, config, real: set[int], attn_implementation: str) 
     absent = sorted(n for n in outside if n not in ckpt.where)
     if absent:
         raise OverRepError(f"cannot onload the model in {state.folder}: no tensors for {absent[:3]}")
-    for name, t in ckpt.read(outside, state.dtype).items():
-        _set(model, name, t.to(state.device))
+    if outside_from is not None:
+        for name in outside:
+            _set(model, name, outside_from.get_parameter(name).data)
+    else:
+        for name, t in ckpt.read(outside, state.dtype).items():
+            _set(model, name, t.to(state.device))
     if tied:
         model.tie_weights()
     for j, block in enumerate(decoder_layers(model)):
@@ -209,17 +217,35 @@ def load_onloaded(spec: str | None, *, dtype: torch.dtype = torch.float32, devic
     return model, tokenizer, info
 
 
-def onloaded_copy(dense: nn.Module, real: set[int]) -> nn.Module:
+def onloaded_copy(dense: nn.Module, real: set[int], share_outside: bool = False) -> nn.Module:
     """A fresh onloaded model of ``dense``'s checkpoint whose blocks ``real`` hold their weights
-    (the blocks a pruned model trains; the others are read as they run)."""
+    (the blocks a pruned model trains; the others are read as they run). ``share_outside``:
+    the embeddings, final norm and head are ``dense``'s own tensors (for a recovery that never
+    trains them: one copy of the largest matrices instead of two)."""
     import copy
 
     state = onload_state(dense)
     fresh = _Onload(state.folder, state.ckpt, state.dtype, state.device)
     attn = getattr(dense.config, "_attn_implementation", None) or "sdpa"
-    model = _skeleton(fresh, copy.deepcopy(dense.config), set(real), attn)
+    model = _skeleton(fresh, copy.deepcopy(dense.config), set(real), attn, dense if share_outside else None)
     model.generation_config = copy.deepcopy(dense.generation_config)
     return model
+
+
+def pruned_copy(dense: nn.Module, plan, family: str, replaced=()) -> nn.Module:
+    """The model a pruned model is cut from: real weights in :func:`trained_blocks` only, the
+    embeddings and head shared with ``dense`` where the recovery never trains them."""
+    real = trained_blocks(plan, family, len(decoder_layers(dense)), replaced)
+    return onloaded_copy(dense, real, share_outside=family == "layerwise")
+
+
+def reload(folder: pathlib.Path, like: nn.Module, device: torch.device) -> nn.Module:
+    """An exported folder loaded as ``like`` is held: onloaded, or whole by ``from_pretrained``."""
+    if is_onloaded(like):
+        return load_onloaded(str(folder), dtype=like.dtype, device=device)[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=like.dtype).to(device).eval()
 
 
 def trained_blocks(plan, family: str, num_layers: int, replaced=()) -> set[int]:
