@@ -73,6 +73,16 @@ def test_an_onloaded_model_computes_what_the_whole_model_computes(arch, tmp_path
         assert (whole(ids).logits - lazy(ids).logits).abs().max().item() <= 1e-5
     # no block but the real one keeps its matrices after a forward
     assert all(p.device.type == "meta" for i, b in enumerate(layers) if i != 2 for p in b.parameters() if p.dim() > 1)
+    # saved block by block into many small shards, it loads back whole
+    from transformers import AutoModelForCausalLM
+
+    from overrep.model.onload_export import save_onloaded
+
+    save_onloaded(lazy, tmp_path / "saved", shard_bytes=40_000)
+    assert len(list((tmp_path / "saved").glob("*.safetensors"))) > 2
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        assert (whole(ids).logits - again(ids).logits).abs().max().item() == 0
 
 
 def test_a_streamed_run_ends_where_the_in_memory_run_ends(assets, tmp_path):

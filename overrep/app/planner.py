@@ -235,6 +235,7 @@ def make_plan(config, opts: PlanOptions, source: str = "") -> dict:
                              layout["gpu_bytes"])
     layout.update(teacher_weights=weights["teacher"], weights_bytes=weights["weights_bytes"],
                   per_rank_total_bytes=weights["per_rank_total_bytes"], state_per_rank_bytes=state,
+                  whole_weights_bytes=(dense + compact) * BYTES[opts.dtype], onloaded_weights_bytes=stream,
                   memory_budget_bytes=weights["memory_budget_bytes"], memory_fraction=MEMORY_FRACTION,
                   fits=layout["fits"] and weights["fits"], lr=scaled_lr(opts.batch))
     out = {
