@@ -16,7 +16,8 @@ Before each case the model's files are dropped from the page cache (``posix_fadv
 would not see the run read it. Three peaks are reported: ``ru_maxrss`` (``os.wait4``; it
 counts the memory-mapped safetensors pages the process touched, which the kernel drops under
 pressure), and, sampled every 0.1 s from ``/proc/PID/status``, the anonymous resident memory
-(``RssAnon``: what the run itself needs) and the file-backed part (``RssFile``). The model's
+(``RssAnon``: what the run itself needs) and the file-backed part (``RssFile``), and the
+peak virtual size (``VmSize``: what ``RLIMIT_AS`` limits). The model's
 size is the bytes of its safetensors files. The table goes to stdout, one JSON line per case
 after it.
 
@@ -73,7 +74,7 @@ def _sample(pid: int, peaks: dict, stop) -> None:
             return
         for line in status.splitlines():
             key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile", "VmRSS"):
+            if key in ("RssAnon", "RssFile", "VmRSS", "VmSize"):
                 peaks[key] = max(peaks.get(key, 0), int(value.split()[0]) * 1024)
 
 
@@ -128,7 +129,7 @@ def run_case(a, teacher: str, out: Path) -> dict:
             "method": a.method,
             "cap_cgroup": a.cap_cgroup, "cap_as": a.cap_as, "exit": os.waitstatus_to_exitcode(status),
             "peak_rss_bytes": usage.ru_maxrss * 1024, "peak_rss_anon_bytes": peaks.get("RssAnon"),
-            "peak_rss_file_bytes": peaks.get("RssFile"), "cgroup": cgroup,
+            "peak_rss_file_bytes": peaks.get("RssFile"), "peak_virtual_bytes": peaks.get("VmSize"), "cgroup": cgroup,
             "steps": m.get("train_steps"), "removed": m.get("removed_layers"),
             "dense_ppl": m.get("dense_ppl"), "recovered_ppl": m.get("recovered_ppl"),
             "export_reload_max_abs_diff": m.get("export_reload_max_abs_diff"), "log": str(out / f"{teacher}.log")}

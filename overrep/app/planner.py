@@ -186,7 +186,8 @@ def recommend_layout(state_bytes: int, teacher_bytes: int, cache_bytes: int, opt
     ranks = min(opts.gpus, opts.batch)
     budget = STATE_FRACTION * gpu
     fsdp = resident > budget and ranks > 1
-    per_rank = resident / ranks if fsdp else resident
+    # FSDP shards the recovery modules' state; a live teacher's weights stay whole on every rank
+    per_rank = (state_bytes / ranks + (resident - state_bytes)) if fsdp else resident
     fits = per_rank <= budget
     return {"teacher": "live" if live else "cache", "ranks": ranks, "fsdp": fsdp, "fits": fits,
             "sequences_per_rank_step": opts.batch / ranks, "idle_gpus": opts.gpus - ranks,
@@ -225,14 +226,18 @@ def make_plan(config, opts: PlanOptions, source: str = "") -> dict:
     tokens = opts.sequences * opts.seq_len
     cache_bytes = len(plan.groups) * 2 * tokens * config.hidden_size * BYTES[opts.cache_dtype]
     steps = math.ceil(math.ceil(opts.sequences / opts.batch) * opts.epochs)
-    layout = recommend_layout(chosen["train_state_bytes"], teacher["weight_bytes"], cache_bytes, opts)
-    layout["single_process_bytes"] = (dense + compact) * BYTES[opts.dtype]
     head = model.get_output_embeddings()
     outside = dense - sum(count_parameters(layer) for layer in layers)  # embeddings, final norm, head
     stream = (outside + max(count_parameters(layer) for layer in layers)) * BYTES[opts.dtype]
-    state = chosen["train_state_bytes"] / (layout["ranks"] if layout["fsdp"] else 1)  # the weights come next
-    weights = choose_teacher(dense * BYTES[opts.dtype], compact * BYTES[opts.dtype], stream, state,
-                             layout["gpu_bytes"])
+    layout = state = weights = None
+    for resident_teacher in (teacher["weight_bytes"], 0):  # a live teacher: whole, else onloaded (one block)
+        layout = recommend_layout(chosen["train_state_bytes"], resident_teacher, cache_bytes, opts)
+        state = chosen["train_state_bytes"] / (layout["ranks"] if layout["fsdp"] else 1)  # the weights come next
+        weights = choose_teacher(dense * BYTES[opts.dtype], compact * BYTES[opts.dtype], stream, state,
+                                 layout["gpu_bytes"])
+        if weights["teacher"] == "model" or layout["teacher"] == "cache":
+            break
+    layout["single_process_bytes"] = (dense + compact) * BYTES[opts.dtype]
     layout.update(teacher_weights=weights["teacher"], weights_bytes=weights["weights_bytes"],
                   per_rank_total_bytes=weights["per_rank_total_bytes"], state_per_rank_bytes=state,
                   whole_weights_bytes=(dense + compact) * BYTES[opts.dtype], onloaded_weights_bytes=stream,
