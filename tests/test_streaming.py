@@ -102,3 +102,29 @@ def test_a_streamed_run_ends_where_the_in_memory_run_ends(assets, tmp_path):
     wa, wb = _folder_weights(tmp_path / "model" / "model"), _folder_weights(tmp_path / "stream" / "model")
     assert wa.keys() == wb.keys()
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def test_a_hub_id_is_onloaded_from_the_hub_cache_and_an_uncached_one_fails_in_one_line(assets, tmp_path,
+                                                                                       monkeypatch):
+    import shutil
+
+    import huggingface_hub
+
+    from overrep.model.onload import load_onloaded
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny--llama" / "snapshots" / "0123abcd"
+    shutil.copytree(assets / "tiny-llama", snapshot)
+    (cache / "models--tiny--llama" / "refs").mkdir()
+    (cache / "models--tiny--llama" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    model, _, info = load_onloaded("tiny/llama")
+    assert info["kind"] == "hub" and info["source"] == "tiny/llama" and info["folder"] == str(snapshot)
+    whole, _, _ = load_model(str(assets / "tiny-llama"))
+    ids = torch.arange(10).unsqueeze(0)
+    with torch.no_grad():
+        assert (whole(ids).logits - model(ids).logits).abs().max().item() <= 1e-5
+    with pytest.raises(OverRepError, match="not in the local cache") as error:
+        load_onloaded("nobody/no-such-model")
+    assert "\n" not in str(error.value)
