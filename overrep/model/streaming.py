@@ -92,7 +92,10 @@ class _Checkpoint:
         for file, keys in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for k in keys:
-                    out[k] = f.get_tensor(self.stored[k]).to(dtype)
+                    t = f.get_tensor(self.stored[k])
+                    # a copy the process owns: a tensor left on the file's memory map keeps the whole
+                    # file mapped (virtual memory, what RLIMIT_AS counts) for as long as it lives
+                    out[k] = t.to(dtype) if t.dtype != dtype else t.clone()
         return out
 
 
