@@ -7,8 +7,8 @@ onload it block by block (``cache.teacher: stream``): every rank then holds the 
 and head once, one block being read, and the training state (:mod:`overrep.model.onload`).
 
 :func:`run_command` prints the layout as the command that runs it: ``overrep run`` for one
-rank, ``torchrun --nproc-per-node N -m overrep run`` for several (``--nnodes`` and a
-rendezvous endpoint across machines), with the plan's removal, data, step count, batch,
+rank, ``torchrun --nproc-per-node N -m overrep run`` for several (``--nnodes``, a
+rendezvous endpoint and the output and cache on ``$SHARED`` storage across machines), with the plan's removal, data, step count, batch,
 weights dtype, teacher and sharding, and the learning rate scaled with the batch.
 """
 
@@ -83,7 +83,10 @@ def run_command(plan: dict, opts) -> str:
         sets["data.source"] = opts.data
     if lay["fsdp"]:
         sets["recovery.shard"] = "fsdp"
+    if nodes > 1:  # every rank reads the checkpoints and the cache: storage all machines see
+        args += ["--output", "$SHARED/runs/overrep"]
+        sets["cache.dir"] = "$SHARED/overrep-cache"
     for k, v in sets.items():
         args += ["--set", f"{k}={_fmt(v)}"]
-    quoted = [a if a.startswith(("--node-rank=$", "--rdzv-endpoint=$")) else shlex.quote(a) for a in head]
-    return " ".join(quoted + [shlex.quote(a) for a in args])
+    keep = ("--node-rank=$", "--rdzv-endpoint=$", "$SHARED/", "cache.dir=$SHARED/")  # shell variables, unquoted
+    return " ".join(a if a.startswith(keep) else shlex.quote(a) for a in head + args)

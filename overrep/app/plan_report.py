@@ -104,6 +104,9 @@ def format_plan(p: dict) -> str:
                f"{size(lay['memory_budget_bytes'])} ({lay['memory_fraction']:.0%} of one GPU)")
     if lay["teacher_weights"] == "stream":
         out.append(f"             (whole, they would take {size(lay['single_process_bytes'])} a rank)")
+    if lay["teacher"] == "live" and lay["teacher_weights"] == "stream":
+        out.append(f"  warning    a live onloaded teacher reads the dense blocks 0-{t['last_block']} from disk every step; "
+                   f"room for the cache (--disk {size(c['bytes'])}, or --cache-dtype bfloat16) makes it a one-off")
     out.append(f"  lr         {lay['lr']:g}: {o['batch']} sequences a step, square-root scaled from 1e-3 at batch 8")
     out += ["rules        teacher: cache when the cache fits --disk, else live; ranks: min(gpus, batch); FSDP: when "
             f"the resident state exceeds {lay['state_fraction']:.0%} of one GPU's memory; weights: whole when they "

@@ -132,7 +132,7 @@ def _skeleton(state: _Onload, config, real: set[int], attn_implementation: str,
         for name in outside:
             _set(model, name, outside_from.get_parameter(name).data)
     else:
-        for name, t in ckpt.read(outside, state.dtype).items():
+        for name, t in ckpt.read(outside, state.dtype, own=False).items():  # long-lived: one mapping a file
             _set(model, name, t.to(state.device))
     if tied:
         model.tie_weights()

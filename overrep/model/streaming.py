@@ -83,7 +83,10 @@ class _Checkpoint:
         self.stored = {_model_key(k, rules): k for k in self.where}
         self.where = {k: self.where[stored] for k, stored in self.stored.items()}
 
-    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def read(self, names: list[str], dtype: torch.dtype, own: bool = True) -> dict[str, torch.Tensor]:
+        """``names``' tensors in ``dtype``. ``own=False``: a tensor already in ``dtype`` may stay on
+        the file's memory map (file pages the kernel can drop, but the file stays mapped while it
+        lives: for long-lived tensors read in one call, one mapping per file)."""
         from safetensors import safe_open
 
         out, by_file = {}, {}
@@ -95,7 +98,7 @@ class _Checkpoint:
                     t = f.get_tensor(self.stored[k])
                     # a copy the process owns: a tensor left on the file's memory map keeps the whole
                     # file mapped (virtual memory, what RLIMIT_AS counts) for as long as it lives
-                    out[k] = t.to(dtype) if t.dtype != dtype else t.clone()
+                    out[k] = t.to(dtype) if t.dtype != dtype else t.clone() if own else t
         return out
 
 
@@ -165,9 +168,12 @@ def _give_freed_memory_back() -> None:
 
 @torch.no_grad()
 def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[RecoveryGroup], *,
-                    dtype: torch.dtype = torch.float32, batch: int = 8) -> list[dict]:
+                    dtype: torch.dtype = torch.float32, batch: int = 8, outside_from: nn.Module | None = None
+                    ) -> list[dict]:
     """Per group ``{"inputs", "targets"}`` ``[N, T, H]`` for ``input_ids`` ``[N, T]``, read from
-    the Hugging Face folder ``folder`` one decoder block at a time (on the CPU)."""
+    the Hugging Face folder ``folder`` one decoder block at a time (on the CPU). ``outside_from``:
+    a model of the same checkpoint (an onloaded one) whose embeddings and norms are used
+    rather than read again."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -186,7 +192,11 @@ def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[Re
     absent = sorted(n for n in outside if n not in ckpt.where)
     if absent:
         raise OverRepError(f"the streaming teacher found no tensors for {absent[:3]} in {folder}")
-    model.load_state_dict(ckpt.read(outside, dtype), strict=False, assign=True)
+    if outside_from is not None and outside_from.dtype == dtype:
+        tensors = {n: outside_from.get_parameter(n).detach().cpu() for n in outside}
+    else:
+        tensors = ckpt.read(outside, dtype, own=False)
+    model.load_state_dict(tensors, strict=False, assign=True)
 
     last = max(g.target_layer for g in groups)
     real = list(blocks)
