@@ -100,3 +100,19 @@ def test_the_printed_command_runs_on_two_ranks_as_on_one(assets, tmp_path, capsy
     assert run["world_size"] == 2 and [r["rank"] for r in run["ranks"]] == [0, 1] and run["backend"] == "gloo"
     assert run["teacher"] == teacher and all(r["threads"] == 1 for r in run["ranks"])
     assert "Ran as: 2 ranks (gloo)" in (tmp_path / "2" / "report.md").read_text()
+
+
+def test_auto_weights_follow_the_device(assets, tmp_path):
+    import torch
+
+    from overrep.app.config import RunConfig
+    from overrep.core.precision import native_bf16, resolve_model_dtype
+    from overrep.errors import OverRepError
+
+    assert resolve_model_dtype("auto", "cpu") == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
+    assert resolve_model_dtype("float32", "cpu") == torch.float32
+    assert RunConfig.load(overrides={"model": {"dtype": "auto"}}).model.dtype == "auto"
+    with pytest.raises(OverRepError, match="model.dtype must be float32, bfloat16 or auto"):
+        RunConfig.load(overrides={"model": {"dtype": "half"}})
+    with pytest.raises(OverRepError, match="cache.teacher: model"):
+        RunConfig.load(overrides={"cache": {"teacher": "stream"}, "prune": {"granularity": "width"}})
