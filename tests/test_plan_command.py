@@ -116,3 +116,5 @@ def test_auto_weights_follow_the_device(assets, tmp_path):
         RunConfig.load(overrides={"model": {"dtype": "half"}})
     with pytest.raises(OverRepError, match="cache.teacher: model"):
         RunConfig.load(overrides={"cache": {"teacher": "stream"}, "prune": {"granularity": "width"}})
+    with pytest.raises(OverRepError, match="laco reads every weight"):
+        RunConfig.load(overrides={"cache": {"teacher": "stream"}, "prune": {"criterion": "laco"}})

@@ -128,3 +128,18 @@ def test_a_hub_id_is_onloaded_from_the_hub_cache_and_an_uncached_one_fails_in_on
     with pytest.raises(OverRepError, match="not in the local cache") as error:
         load_onloaded("nobody/no-such-model")
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("criterion", ["cosine", "block-influence"])
+def test_a_criterion_scores_an_onloaded_model_as_the_whole_model(assets, criterion):
+    from overrep.model.onload import load_onloaded
+    from overrep.pruning.criteria import get_criterion
+
+    folder = str(assets / "tiny-llama")
+    ids = torch.randint(0, 200, (4, 16), generator=torch.Generator().manual_seed(1))
+    whole = get_criterion(criterion)(load_model(folder)[0], 2, ids)
+    lazy = get_criterion(criterion)(load_onloaded(folder)[0], 2, ids)
+    assert whole.removed == lazy.removed
+    a, b = next(iter(whole.scores.values())), next(iter(lazy.scores.values()))
+    a, b = (list(x.values()) if isinstance(x, dict) else x for x in (a, b))
+    assert len(a) == len(b) and all(abs(x - y) <= 1e-5 for x, y in zip(a, b))

@@ -267,8 +267,9 @@ class RunConfig:
             raise OverRepError(f"model.dtype must be float32, bfloat16 or auto, got '{self.model.dtype}'")
         if c.dtype not in ("float32", "bfloat16"):
             raise OverRepError(f"cache.dtype must be float32 or bfloat16, got '{c.dtype}'")
-        if c.teacher == "stream" and p.granularity == "width":
-            raise OverRepError("width pruning scores every weight of the dense model; it needs cache.teacher: model")
+        if c.teacher == "stream" and (p.granularity == "width" or (p.criterion == "laco" and p.remove is None)):
+            raise OverRepError(f"{'width pruning' if p.granularity == 'width' else 'prune.criterion laco'} reads every "
+                               "weight of the dense model at once; it needs cache.teacher: model")
 
     def _resolve_width(self) -> None:
         """Width pruning's constraints, and its defaults where block pruning's do not apply:
