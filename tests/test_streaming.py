@@ -99,6 +99,7 @@ def test_a_streamed_run_ends_where_the_in_memory_run_ends(assets, tmp_path):
     for k in ("dense_ppl", "pruned_ppl", "recovered_ppl", "final_train_loss"):
         assert abs(a[k] - b[k]) <= 1e-4 * abs(a[k]), k
     assert b["export_reload_max_abs_diff"] <= 1e-5
+    assert (b["run"]["teacher"], b["run"]["world_size"], a["run"]["teacher"]) == ("stream", 1, "model")
     wa, wb = _folder_weights(tmp_path / "model" / "model"), _folder_weights(tmp_path / "stream" / "model")
     assert wa.keys() == wb.keys()
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
