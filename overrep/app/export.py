@@ -15,6 +15,8 @@ from pathlib import Path
 
 from ..atomic import json_default, write_dir
 from ..errors import OverRepError
+from ..model.onload import is_onloaded
+from ..model.onload_export import save_onloaded
 from ..model.wrap import has_wrappers
 
 PROVENANCE_FILE = "overrep.json"
@@ -29,7 +31,10 @@ def export_model(model, tokenizer, out_dir: str | Path, provenance: dict, *, ove
         raise OverRepError(f"export folder '{out_dir}' already exists; choose another or pass overwrite")
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if is_onloaded(model):  # lazy blocks: written block by block from the source checkpoint
+            save_onloaded(model, tmp)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=json_default) + "\n")

@@ -24,7 +24,7 @@ import torch
 
 from .. import __version__
 from ..atomic import write_json
-from ..core.precision import resolve_precision
+from ..core.precision import resolve_model_dtype, resolve_precision
 from ..data.text import token_splits
 from ..errors import OverRepError
 from ..eval.heldout import domain_perplexities, require_finite, unseen_domain_rows
@@ -32,6 +32,7 @@ from ..eval.measure import generation_latency
 from ..model.accounting import blocks_for_ratio, counted_parameters
 from ..model.arch import check_supported, decoder_layers
 from ..model.loading import load_model
+from ..model import onload
 from ..model.placement import is_placed, placed_copy, teacher_placement
 from ..model.runtime import check_finite, digest, model_fingerprint, peak_memory_bytes, resolve_device
 from ..model.surgery import can_stitch, parse_layers, plan_pruning, prune
@@ -50,10 +51,9 @@ from .budgeting import BudgetStages
 from .config import RunConfig
 from .export import export_model
 from .outdir import RunFolder
+from .runinfo import how_it_ran
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Pipeline(BudgetStages):
@@ -113,17 +113,20 @@ class Pipeline(BudgetStages):
         torch.manual_seed(cfg.recovery.seed)
         self.device = self.world.device(resolve_device(cfg.model.device))
         t0 = time.perf_counter()
-        placement, self._offload = teacher_placement(cfg.model.device_map, cfg.model.max_memory, self.world.size,
-                                                     self.cache_root)  # model.device_map (None: whole, below)
-        self.dense, self.tokenizer, self.model_info = load_model(cfg.model.source, dtype=_DTYPES[cfg.model.dtype],
-                                                                 placement=placement)
+        dtype = resolve_model_dtype(cfg.model.dtype, self.device)
+        stream = cfg.cache.teacher == "stream"  # never whole: blocks read from the safetensors shards as they run
+        placement, self._offload = (None, None) if stream else teacher_placement(
+            cfg.model.device_map, cfg.model.max_memory, self.world.size, self.cache_root)  # None: whole, below
+        self.dense, self.tokenizer, self.model_info = (onload.load_onloaded(cfg.model.source, dtype=dtype,
+            device=self.device) if stream else load_model(cfg.model.source, dtype=dtype, placement=placement))
         check_supported(self.dense)
         check_finite(self.dense, "model")
         if is_placed(self.dense):  # where accelerate put the teacher's parts (a device, "cpu" or "disk")
             self.metrics["teacher_device_map"] = {k: str(v) for k, v in self.dense.hf_device_map.items()}
-        else:
+        elif not onload.is_onloaded(self.dense):  # (an onloaded model is on self.device already)
             self.dense.to(self.device)
         self.timings["load_model"] = time.perf_counter() - t0
+        self.metrics["run"] = how_it_ran(self.world, self.device, cfg.recovery.shard, cfg.cache.teacher, dtype)
         self.num_layers = len(decoder_layers(self.dense))
         self.model_fp = model_fingerprint(self.dense, self.model_info["source"])
         r = cfg.recovery
@@ -209,6 +212,8 @@ class Pipeline(BudgetStages):
             keep = set(range(self.num_layers)) - set(self.plan.removed)
             keep |= {src for g in self.plan.groups for src in g.stitch.values()}
             model = placed_copy(self.dense, keep, self.device)
+        elif onload.is_onloaded(self.dense):  # real weights only in the blocks recovery trains
+            model = onload.pruned_copy(self.dense, self.plan, self.method.family, self.selection.replaced)
         else:
             model = copy.deepcopy(self.dense)
         if self.width:
@@ -253,11 +258,11 @@ class Pipeline(BudgetStages):
             self.metrics[f"{tag}_ppl"] = ppl["all"]
             if ppl["domains"] or ppl["unseen"]:
                 self.metrics[f"{tag}_ppl_domains"] = {**ppl["domains"], **ppl["unseen"]}
-        if ev.latency:
+        if ev.latency and not onload.is_onloaded(model):  # generating would read every block per token
             lat = generation_latency(model, self.tokenizer, ev.sample_prompt, ev.latency_tokens)
             self.metrics[f"{tag}_latency_s_per_token"] = lat["seconds_per_token"]
             self.metrics.setdefault("samples", {})[tag] = lat["text"]
-        if ev.benchmarks:
+        if ev.benchmarks and not onload.is_onloaded(model):
             from ..eval.lmeval import evaluate_benchmarks
 
             results = evaluate_benchmarks(model, self.tokenizer, tasks=ev.benchmarks, limit=ev.benchmark_limit,
@@ -311,13 +316,8 @@ class Pipeline(BudgetStages):
         c = self.cfg.cache
         fingerprint = {"model": self.model_fp, "plan": self.plan.to_dict(),
                        "data": self.data_info.get("train_fingerprint"), "seq_len": self.cfg.data.seq_len,
-                       "model_dtype": self.cfg.model.dtype}
-        stream = None
-        if c.teacher == "stream":
-            if self.model_info["kind"] not in ("local", "embedded"):
-                raise OverRepError("cache.teacher: stream reads a local Hugging Face folder; "
-                                   f"model.source is a {self.model_info['kind']} model")
-            stream = Path(self.model_info["source"])
+                       "model_dtype": str(self.dense.dtype).removeprefix("torch.")}
+        stream = Path(self.model_info["folder"]) if c.teacher == "stream" else None
         return Teacher(self.dense, self.plan, self.train_ids, self.cache_root, fingerprint, mode=c.mode, dtype=c.dtype,
                        rebuild=c.rebuild, progress=self.progress, world=self.world, stream_from=stream)
 
@@ -382,8 +382,6 @@ class Pipeline(BudgetStages):
 
     # ---- stage 6: export -----------------------------------------------------------
     def export(self) -> Path:
-        from transformers import AutoModelForCausalLM
-
         provenance = {
             "overrep_version": __version__,
             "source_model": self.model_info,
@@ -398,7 +396,7 @@ class Pipeline(BudgetStages):
             "config": self.cfg.to_dict(),
         }
         path = export_model(self.pruned, self.tokenizer, self.out / "model", provenance, overwrite=True)
-        reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.pruned.dtype).to(self.device).eval()
+        reloaded = onload.reload(path, self.pruned, self.device)  # as it was held: whole or block by block
         ids = self.heldout_ids[:1].to(self.device)
         with torch.no_grad():
             d = (reloaded(ids).logits - self.pruned(ids).logits).abs().max().item()

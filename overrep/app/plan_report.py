@@ -20,7 +20,7 @@ def flops(f: float) -> str:
     return f"{f:.3g}".replace("e+", "e")
 
 
-def _ranges(indices: list[int]) -> str:
+def ranges(indices: list[int]) -> str:
     runs: list[list[int]] = []
     for i in indices:
         if runs and i == runs[-1][1] + 1:
@@ -33,7 +33,7 @@ def _ranges(indices: list[int]) -> str:
 def _removal_lines(p: dict) -> list[str]:
     r = p["removal"]
     others = ", ".join(f"{k} blocks {v:.1%}" for k, v in r["neighbours"].items())
-    lines = [f"removed      {r['num_removed']} of {r['num_layers']} blocks: {_ranges(r['removed'])} ({r['how']})",
+    lines = [f"removed      {r['num_removed']} of {r['num_layers']} blocks: {ranges(r['removed'])} ({r['how']})",
              f"             = {r['counted_fraction']:.1%} of the counted parameters ({count(r['params_per_block'])} a "
              f"block, head counted){'; ' + others if others else ''}",
              f"layers left  {r['layers_left']}"]
@@ -87,7 +87,8 @@ def format_plan(p: dict) -> str:
            f"layout       {o['gpus']} GPU(s) of {size(lay['gpu_bytes'])}, disk {size(lay['disk_bytes'])}, preset {tr['preset']}:",
            f"  teacher    {lay['teacher']}: the cache ({size(c['bytes'])}) "
            f"{'fits' if lay['teacher'] == 'cache' else 'exceeds'} --disk {size(lay['disk_bytes'])}"
-           + ("" if lay["teacher"] == "cache" else f"; its weights ({size(t['weight_bytes'])}) stay resident"),
+           + ("" if lay["teacher"] == "cache" else f"; its weights ({size(t['weight_bytes'])}) stay resident"
+              if lay["teacher_weights"] == "model" else "; its blocks are read again every step (onloaded)"),
            f"  ranks      {lay['ranks']} (DDP), {lay['sequences_per_rank_step']:g} sequence(s) each per step"
            + (f"; {lay['idle_gpus']} GPU(s) idle (raise --batch to use them)" if lay["idle_gpus"] else ""),
            f"  FSDP       {'yes' if lay['fsdp'] else 'no'}: resident {size(lay['resident_bytes'])}"
@@ -95,8 +96,22 @@ def format_plan(p: dict) -> str:
            f"budget {size(lay['budget_bytes'])} ({lay['state_fraction']:.0%} of one GPU)"]
     if not lay["fits"]:
         out.append(f"  DOES NOT FIT: needs at least {lay['gpus_needed']} GPUs of this size (FSDP over them)")
-    out.append(f"  note       today's single-process pipeline also holds the whole dense and compact models on its "
-               f"device: {size(lay['single_process_bytes'])} ({o['dtype']})")
+    how = ("dense + compact models whole" if lay["teacher_weights"] == "model" else
+           "onloaded (cache.teacher: stream): embeddings and head + one block")
+    out.append(f"  weights    {how}: {size(lay['weights_bytes'])} ({o['model_dtype']}: {o['dtype']}) + state "
+               f"{size(lay['state_per_rank_bytes'])} = {size(lay['per_rank_total_bytes'])} per rank, "
+               f"{'within' if lay['per_rank_total_bytes'] <= lay['memory_budget_bytes'] else 'OVER'} "
+               f"{size(lay['memory_budget_bytes'])} ({lay['memory_fraction']:.0%} of one GPU)")
+    if lay["teacher_weights"] == "stream":
+        out.append(f"             (whole, they would take {size(lay['single_process_bytes'])} a rank)")
+    if lay["teacher"] == "live" and lay["teacher_weights"] == "stream":
+        out.append(f"  warning    a live onloaded teacher reads the dense blocks 0-{t['last_block']} from disk every step; "
+                   f"room for the cache (--disk {size(c['bytes'])}, or --cache-dtype bfloat16) makes it a one-off")
+    out.append(f"  lr         {lay['lr']:g}: {o['batch']} sequences a step, square-root scaled from 1e-3 at batch 8")
     out += ["rules        teacher: cache when the cache fits --disk, else live; ranks: min(gpus, batch); FSDP: when "
-            f"the resident state exceeds {lay['state_fraction']:.0%} of one GPU's memory"]
+            f"the resident state exceeds {lay['state_fraction']:.0%} of one GPU's memory; weights: whole when they "
+            f"and the state fit {lay['memory_fraction']:.0%} of one GPU, else onloaded block by block"]
+    if o["run_model"] == "MODEL":
+        out.append("command      (MODEL: the model folder or hub id this config belongs to; --run-model sets it)")
+    out.append(lay["command"])
     return "\n".join(out)

@@ -41,6 +41,7 @@ from ..model.presets import BUILTIN_PRESETS, get_preset
 from ..model.surgery import parse_layers, plan_pruning
 from ..model.wrap import count_parameters, plan_recovery
 from ..pruning.last import last_but_final
+from .plan_command import MEMORY_FRACTION, choose_teacher, run_command, scaled_lr
 
 STATE_FRACTION = 0.5
 """Share of one GPU's memory the resident training state may take (the recovery module's
@@ -83,17 +84,27 @@ class PlanOptions:
     epochs: float = 20
     """The paper's OverRep schedule (Table ``tab:post-train-config``)."""
     cache_dtype: str = CacheConfig.dtype
-    dtype: str = ModelConfig.dtype
-    """Weights of the dense teacher and the recovery module (``model.dtype``)."""
+    dtype: str = "auto"
+    """Weights of the dense teacher and the recovery module (``model.dtype``; ``auto`` is
+    bfloat16 on a GPU, and is counted so)."""
     precision: str = "bf16"
     """Compute precision of the training forward (``recovery.precision``; a cluster's GPUs have bf16)."""
+    nodes: int = 1
+    """Machines the GPUs are spread over (``--gpus`` counts all of them)."""
+    data: str | None = "hf:HuggingFaceFW/fineweb-edu:sample-10BT"
+    """The command's ``data.source``: the paper's FineWeb-Edu by default (None: the run's default)."""
+    run_model: str = "MODEL"
+    """The model the command runs (a folder or hub id; the plan itself reads only a config)."""
 
     def check(self) -> None:
-        for name in ("blocks", "gpus", "sequences", "seq_len", "batch"):
+        for name in ("blocks", "gpus", "sequences", "seq_len", "batch", "nodes"):
             if getattr(self, name) < 1:
                 raise OverRepError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not self.epochs > 0:
             raise OverRepError(f"--epochs must be positive, got {self.epochs}")
+        self.model_dtype = getattr(self, "model_dtype", self.dtype)  # as the command sets it
+        if self.dtype == "auto":  # a plan is for GPUs, where auto is bfloat16
+            self.dtype = "bfloat16"
         for name in ("cache_dtype", "dtype"):
             if getattr(self, name) not in BYTES:
                 raise OverRepError(f"--{name.replace('_', '-')} must be float32 or bfloat16, got {getattr(self, name)!r}")
@@ -102,6 +113,8 @@ class PlanOptions:
             self.precision = "bf16"
         if self.preset not in BUILTIN_PRESETS:
             raise OverRepError(f"--preset must be a built-in preset ({', '.join(BUILTIN_PRESETS)}), got {self.preset!r}")
+        if self.gpus % self.nodes:
+            raise OverRepError(f"--gpus ({self.gpus}) must be a multiple of --nodes ({self.nodes})")
         parse_size(self.gpu_mem, "--gpu-mem")
         parse_size(self.disk, "--disk")
 
@@ -173,7 +186,8 @@ def recommend_layout(state_bytes: int, teacher_bytes: int, cache_bytes: int, opt
     ranks = min(opts.gpus, opts.batch)
     budget = STATE_FRACTION * gpu
     fsdp = resident > budget and ranks > 1
-    per_rank = resident / ranks if fsdp else resident
+    # FSDP shards the recovery modules' state; a live teacher's weights stay whole on every rank
+    per_rank = (state_bytes / ranks + (resident - state_bytes)) if fsdp else resident
     fits = per_rank <= budget
     return {"teacher": "live" if live else "cache", "ranks": ranks, "fsdp": fsdp, "fits": fits,
             "sequences_per_rank_step": opts.batch / ranks, "idle_gpus": opts.gpus - ranks,
@@ -212,10 +226,24 @@ def make_plan(config, opts: PlanOptions, source: str = "") -> dict:
     tokens = opts.sequences * opts.seq_len
     cache_bytes = len(plan.groups) * 2 * tokens * config.hidden_size * BYTES[opts.cache_dtype]
     steps = math.ceil(math.ceil(opts.sequences / opts.batch) * opts.epochs)
-    layout = recommend_layout(chosen["train_state_bytes"], teacher["weight_bytes"], cache_bytes, opts)
-    layout["single_process_bytes"] = (dense + compact) * BYTES[opts.dtype]
     head = model.get_output_embeddings()
-    return {
+    outside = dense - sum(count_parameters(layer) for layer in layers)  # embeddings, final norm, head
+    stream = (outside + max(count_parameters(layer) for layer in layers)) * BYTES[opts.dtype]
+    layout = state = weights = None
+    for resident_teacher in (teacher["weight_bytes"], 0):  # a live teacher: whole, else onloaded (one block)
+        layout = recommend_layout(chosen["train_state_bytes"], resident_teacher, cache_bytes, opts)
+        state = chosen["train_state_bytes"] / (layout["ranks"] if layout["fsdp"] else 1)  # the weights come next
+        weights = choose_teacher(dense * BYTES[opts.dtype], compact * BYTES[opts.dtype], stream, state,
+                                 layout["gpu_bytes"])
+        if weights["teacher"] == "model" or layout["teacher"] == "cache":
+            break
+    layout["single_process_bytes"] = (dense + compact) * BYTES[opts.dtype]
+    layout.update(teacher_weights=weights["teacher"], weights_bytes=weights["weights_bytes"],
+                  per_rank_total_bytes=weights["per_rank_total_bytes"], state_per_rank_bytes=state,
+                  whole_weights_bytes=(dense + compact) * BYTES[opts.dtype], onloaded_weights_bytes=stream,
+                  memory_budget_bytes=weights["memory_budget_bytes"], memory_fraction=MEMORY_FRACTION,
+                  fits=layout["fits"] and weights["fits"], lr=scaled_lr(opts.batch))
+    out = {
         "source": source, "architecture": type(model).__name__, "model_type": config.model_type,
         "hidden_size": config.hidden_size, "num_layers": removal["num_layers"], "vocab_size": config.vocab_size,
         "tied_head": head is not None and head.weight is model.get_input_embeddings().weight,
@@ -228,5 +256,11 @@ def make_plan(config, opts: PlanOptions, source: str = "") -> dict:
         "training": {**{k: chosen[k] for k in ("preset", "blocks", "train_flops_per_token",
                                                "train_flops_per_sequence", "train_flops_per_step")},
                      "run_flops": chosen["train_flops_per_step"] * steps},
-        "layout": layout, "options": asdict(opts),
+        "layout": layout, "options": {**asdict(opts), "model_dtype": opts.model_dtype},
     }
+    layout["ranks_per_node"] = layout["ranks"] // opts.nodes if layout["ranks"] % opts.nodes == 0 else None
+    if layout["ranks_per_node"] is None:  # every machine runs the same number of ranks
+        raise OverRepError(f"{layout['ranks']} ranks (min(gpus, batch)) do not divide over {opts.nodes} nodes; "
+                           "raise --batch")
+    layout["command"] = run_command(out, opts)
+    return out

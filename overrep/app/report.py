@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ..atomic import make_dirs, write_file, write_text  # noqa: E402
+from .runinfo import describe  # noqa: E402
 
 
 LOSS_NAMES = {"mse": "layer-wise MSE", "lm": "cross-entropy", "kd": "KL to dense logits"}
@@ -104,6 +105,7 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         f"({m['num_layers_before']} -> {m['num_layers_after']} blocks: "
         f"{100 * m['layer_fraction_removed']:.1f}% of the blocks, {100 * m['param_fraction_removed']:.1f}% "
         f"of the parameters).", "",
+        *([f"Ran as: {describe(m['run'])}.", ""] if m.get("run") else []),
         "| model | held-out perplexity | parameters | blocks | latency (ms/token) |",
         "|---|---|---|---|---|",
         *[f"| {n} | {_fmt(p)} | {_fmt(c)} | {l} | {_fmt(None if t is None else 1000 * t, 3)} |"

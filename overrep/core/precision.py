@@ -65,3 +65,17 @@ def autocast(precision: str, device: torch.device | str):
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+MODEL_DTYPES = ("float32", "bfloat16", "auto")
+
+
+def resolve_model_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """``model.dtype`` as a torch dtype: ``auto`` is bfloat16 where ``device`` computes it
+    natively (:func:`native_bf16`: a GPU, an AVX512-BF16/AMX CPU) -- half the memory of the
+    dense and pruned weights -- and float32 elsewhere, where bf16 would be emulated."""
+    if name not in MODEL_DTYPES:
+        raise OverRepError(f"model.dtype must be one of {', '.join(MODEL_DTYPES)}, got {name!r}")
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]

@@ -18,6 +18,10 @@ def digest(obj) -> str:
 
 def model_fingerprint(model, source: str) -> str:
     """Source, config and a sample of every weight tensor: cheap, and changes with the weights."""
+    from .onload import checkpoint_fingerprint, is_onloaded
+
+    if is_onloaded(model):  # its blocks' weights are on disk: sampled there
+        return checkpoint_fingerprint(model, source)
     h = hashlib.sha256(source.encode())
     h.update(model.config.to_json_string(use_diff=False).encode())
     for name, p in named_tensors(model):  # (a model placed by accelerate: offloaded weights read module by module)

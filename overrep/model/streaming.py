@@ -83,7 +83,10 @@ class _Checkpoint:
         self.stored = {_model_key(k, rules): k for k in self.where}
         self.where = {k: self.where[stored] for k, stored in self.stored.items()}
 
-    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def read(self, names: list[str], dtype: torch.dtype, own: bool = True) -> dict[str, torch.Tensor]:
+        """``names``' tensors in ``dtype``. ``own=False``: a tensor already in ``dtype`` may stay on
+        the file's memory map (file pages the kernel can drop, but the file stays mapped while it
+        lives: for long-lived tensors read in one call, one mapping per file)."""
         from safetensors import safe_open
 
         out, by_file = {}, {}
@@ -92,7 +95,10 @@ class _Checkpoint:
         for file, keys in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for k in keys:
-                    out[k] = f.get_tensor(self.stored[k]).to(dtype)
+                    t = f.get_tensor(self.stored[k])
+                    # a copy the process owns: a tensor left on the file's memory map keeps the whole
+                    # file mapped (virtual memory, what RLIMIT_AS counts) for as long as it lives
+                    out[k] = t.to(dtype) if t.dtype != dtype else t.clone() if own else t
         return out
 
 
@@ -162,9 +168,14 @@ def _give_freed_memory_back() -> None:
 
 @torch.no_grad()
 def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[RecoveryGroup], *,
-                    dtype: torch.dtype = torch.float32, batch: int = 8) -> list[dict]:
+                    dtype: torch.dtype = torch.float32, batch: int = 8, outside_from: nn.Module | None = None,
+                    device: torch.device | str = "cpu") -> list[dict]:
     """Per group ``{"inputs", "targets"}`` ``[N, T, H]`` for ``input_ids`` ``[N, T]``, read from
-    the Hugging Face folder ``folder`` one decoder block at a time (on the CPU)."""
+    the Hugging Face folder ``folder`` one decoder block at a time, each block run on ``device``
+    (the features come back on the CPU). ``outside_from``: a model of the same checkpoint (an
+    onloaded one) whose embeddings and norms are used rather than read again."""
+    from torch.utils._pytree import tree_map
+
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -183,7 +194,11 @@ def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[Re
     absent = sorted(n for n in outside if n not in ckpt.where)
     if absent:
         raise OverRepError(f"the streaming teacher found no tensors for {absent[:3]} in {folder}")
-    model.load_state_dict(ckpt.read(outside, dtype), strict=False, assign=True)
+    if outside_from is not None and outside_from.dtype == dtype:
+        tensors = {n: outside_from.get_parameter(n).detach().cpu() for n in outside}
+    else:
+        tensors = ckpt.read(outside, dtype, own=False)
+    model.load_state_dict(tensors, strict=False, assign=True)
 
     last = max(g.target_layer for g in groups)
     real = list(blocks)
@@ -200,15 +215,18 @@ def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[Re
 
     out: list[dict] = [{} for _ in groups]
     keep = {gi: [] for gi in range(len(groups))}
-    hidden = [r[0][0] for r in records]  # the hidden state entering block 0, per batch
+    device = torch.device(device)
+    on = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    hidden = [r[0][0].to(device) for r in records]  # the hidden state entering block 0, per batch
+    records = [[(None, tree_map(on, args), tree_map(on, kwargs)) for _, args, kwargs in r] for r in records]
     for j in range(last + 1):
         for gi, g in enumerate(groups):
             if g.input_layer == j:
-                out[gi]["inputs"] = torch.cat(hidden)
+                out[gi]["inputs"] = torch.cat(hidden).cpu()
         prefix = f"{LAYERS_PREFIX}{j}."
         block = real[j]
         names = [n for n in ckpt.where if n.startswith(prefix)]
-        _load_into(block, {n[len(prefix):]: t for n, t in ckpt.read(names, dtype).items()}, f"block {j}")
+        _load_into(block, {n[len(prefix):]: t.to(device) for n, t in ckpt.read(names, dtype).items()}, f"block {j}")
         block.eval()
         for b, record in enumerate(records):
             _, args, kwargs = record[j]
@@ -218,7 +236,7 @@ def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[Re
         for gi, g in enumerate(groups):
             if g.target_layer == j:
                 keep[gi] = torch.cat(hidden)
-    norm = final_norm(model)
+    norm = final_norm(model).to(device)
     for gi, g in enumerate(groups):
-        out[gi]["targets"] = norm(keep[gi]) if g.final_norm else keep[gi]
+        out[gi]["targets"] = (norm(keep[gi]) if g.final_norm else keep[gi]).cpu()
     return out

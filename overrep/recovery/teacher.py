@@ -66,7 +66,8 @@ class Teacher:
         """Features of ``ids`` for every recovery group, ``TEACHER_BATCH`` rows at a time."""
         groups = self.plan.groups
         if self.stream_from is not None:
-            return stream_features(self.stream_from, ids.cpu(), groups, dtype=self.dense.dtype, batch=TEACHER_BATCH)
+            return stream_features(self.stream_from, ids.cpu(), groups, dtype=self.dense.dtype, batch=TEACHER_BATCH,
+                                   outside_from=self.dense, device=self.dense.get_input_embeddings().weight.device)
         parts = [teacher_features(self.dense, ids[i:i + TEACHER_BATCH], groups)
                  for i in range(0, ids.shape[0], TEACHER_BATCH)]
         return [{k: torch.cat([p[g][k] for p in parts]) for k in ("inputs", "targets")} for g in range(len(groups))]

@@ -1,0 +1,40 @@
+"""How a run ran: its ranks, their devices and threads, the sharding and how the model was held.
+
+:func:`how_it_ran` is called by every rank (it gathers each rank's host, device and thread
+count to rank 0 with one ``all_gather_object`` under ``torchrun``); the result goes into
+``metrics.json`` (``run``) and the report's first lines, so that a two-rank run says so.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from ..distributed import World
+
+
+def how_it_ran(world: World, device: torch.device, shard: str, teacher: str, dtype: torch.dtype) -> dict:
+    me = {"rank": world.rank, "local_rank": world.local_rank, "host": platform.node(), "device": str(device),
+          "threads": torch.get_num_threads()}
+    ranks = [me]
+    if world.distributed:
+        ranks = [None] * world.size
+        torch.distributed.all_gather_object(ranks, me)
+    backend = torch.distributed.get_backend() if world.distributed else None
+    return {"world_size": world.size, "nodes": len({r["host"] for r in ranks}), "backend": backend,
+            "sharding": shard if world.distributed else "none", "teacher": teacher,
+            "model_dtype": str(dtype).removeprefix("torch."), "ranks": ranks}
+
+
+def describe(run: dict) -> str:
+    """One line for the report, e.g. ``2 ranks (gloo) on 1 machine: cpu x2, 1 thread each; ...``."""
+    ranks = run["ranks"]
+    devices = sorted({r["device"] for r in ranks})
+    threads = sorted({r["threads"] for r in ranks})
+    where = ", ".join(f"{d} x{sum(r['device'] == d for r in ranks)}" for d in devices)
+    head = (f"{run['world_size']} ranks ({run['backend']}) on {run['nodes']} machine(s)" if run["world_size"] > 1
+            else "1 process")
+    return (f"{head}: {where}, {'/'.join(map(str, threads))} thread(s) each; sharding {run['sharding']}; "
+            f"dense model {'onloaded block by block' if run['teacher'] == 'stream' else 'loaded whole'}, "
+            f"{run['model_dtype']} weights")
