@@ -175,3 +175,20 @@ def test_library_api_example_runs(tmp_path, monkeypatch):
     exec(compile(blocks[0], "docs/contributing.md", "exec"), {})
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "compact-model")
     assert model.config.num_hidden_layers == 5
+
+
+PLANNED = re.compile(r"<!-- planner: (.*?) -->\n```\n(.*?)\n```", re.S)
+
+
+def test_readme_scaling_commands_are_what_the_planner_prints(capsys):
+    """Each command under a ``<!-- planner: ARGS -->`` marker is `overrep plan ARGS`'s command."""
+    import json
+
+    from overrep.app.cli import main
+
+    found = PLANNED.findall(README.read_text())
+    assert found, "the README shows no planner command"
+    for args, shown in found:
+        assert main(["plan", *args.split(), "--json"]) == 0
+        printed = json.loads(capsys.readouterr().out)["layout"]["command"]
+        assert shown.strip() == printed, f"README's command for `overrep plan {args}` is stale"
