@@ -28,7 +28,7 @@ class BudgetStages:
         """A layer-wise method on the disk cache under a time budget: the budget decides how
         many training rows get features (see :mod:`overrep.recovery.budget`)."""
         r = self.cfg.recovery
-        return (self.method.family == "layerwise" and self.cfg.cache.mode == "disk"
+        return (self.method.needs_features and self.cfg.cache.mode == "disk"
                 and r.time_budget is not None and r.steps is None)
 
     def fit_cached_budget(self) -> None:

@@ -111,12 +111,12 @@ def cmd_inspect(args) -> int:
                           "param_fraction_removed_head_counted": m["param_fraction_removed_head_counted"],
                           "trainable_params": p.recovery.trainable_params, "total_steps": p.total_steps}, indent=2))
         return 0
-    preset = p.method.preset or r.preset
-    acc = recovery_account(p.dense.config, p.selection.removed, preset, blocks=p.method.blocks or r.blocks,
+    preset = r.preset_name
+    acc = recovery_account(p.dense.config, p.selection.removed, preset, blocks=r.blocks_per_run,
                            block1_init=r.block1_init, final_block=r.final_block)
     acc.update(model=p.model_info["source"], method=p.method.name, criterion=cfg.prune.criterion,
                criterion_scores=p.selection.scores, total_steps=p.total_steps)
-    if p.method.family in ("adapter", "full"):  # what trains is not the recovery module
+    if not p.method.planned_account:  # what trains is not the recovery module
         p.prune()
         p.build_recovery(with_data=False)
         acc["trainable_params"] = p.recovery.trainable_params

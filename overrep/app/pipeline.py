@@ -128,7 +128,7 @@ class Pipeline(BudgetStages):
         r = cfg.recovery
         self.method = get_method(r.method)
         if cfg.prune.remove is not None:  # an impossible --remove fails before the data loads
-            plan_pruning(self.num_layers, parse_layers(str(cfg.prune.remove)), blocks=self.method.blocks or r.blocks,
+            plan_pruning(self.num_layers, parse_layers(str(cfg.prune.remove)), blocks=r.blocks_per_run,
                          block1_init=r.block1_init, final_block=r.final_block)
         t0 = time.perf_counter()
         d = cfg.data
@@ -148,8 +148,8 @@ class Pipeline(BudgetStages):
             self.select_widths()
         else:
             self.select_blocks()
-            self.plan = plan_recovery(self.dense, self.selection.removed, get_preset(self.method.preset or r.preset),
-                                      blocks=self.method.blocks or r.blocks, block1_init=r.block1_init,
+            self.plan = plan_recovery(self.dense, self.selection.removed, get_preset(r.preset_name),
+                                      blocks=r.blocks_per_run, block1_init=r.block1_init,
                                       final_block=r.final_block)
         layers = decoder_layers(self.dense)
         for g in self.plan.groups:  # a block a criterion already rewrote (LaCo) keeps its weights,

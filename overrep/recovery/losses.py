@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,12 +57,6 @@ LOSSES: dict[str, str] = {
 }
 
 
-def module_phases(spec: str, final_norm: bool) -> list[str]:
-    """The phases one module trains with (the same for every module today; the module's
-    place, ``final_norm``, is where a per-module rule would go)."""
-    return parse_loss(spec)
-
-
 def parse_loss(spec: str) -> list[str]:
     """``"normed>kl-topk"`` -> ``["normed", "kl-topk"]``; one-line error on an unknown name."""
     parts = [p.strip() for p in str(spec).split(">")]
@@ -70,6 +65,25 @@ def parse_loss(spec: str) -> list[str]:
         raise OverRepError(f"unknown recovery.loss '{bad}'; available: {', '.join(LOSSES)} "
                            "(or two joined as A>B: A, then B from recovery.loss_switch)")
     return parts
+
+
+@dataclass
+class LossOptions:
+    """``recovery`` options of the methods trained on a layer-wise loss."""
+
+    loss: str = "normed"  # overrep / plain / streamline: layer-wise loss, mse (the paper's) | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`; docs/losses.md)
+    loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term
+    loss_switch: float = 0.5  # A>B losses: fraction of the steps after which B replaces A
+    loss_topk: int = 64  # kl-topk: teacher log-probabilities cached per token
+    loss_topk_rest: bool = True  # kl-topk: add one bucket for all tokens outside the top-K (else renormalise on it)
+    fisher_sequences: int = 32  # fisher: training rows the diagonal Fisher is estimated on
+
+    def check_loss(self) -> None:
+        parse_loss(self.loss)
+        if (self.loss_lambda < 0 or not 0 <= self.loss_switch <= 1 or self.loss_topk < 1
+                or self.fisher_sequences < 1):
+            raise OverRepError("recovery.loss_lambda must be >= 0, loss_switch in [0, 1], loss_topk and "
+                               "fisher_sequences >= 1")
 
 
 def loss_help() -> str:
@@ -291,6 +305,6 @@ def topk_kl(logits: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, r
     return (kl_support + kl_rest).mean()
 
 
-__all__ = ["LOSSES", "parse_loss", "loss_help", "normed_loss", "weighted_mse", "logit_loss", "topk_kl",
+__all__ = ["LOSSES", "LossOptions", "parse_loss", "loss_help", "normed_loss", "weighted_mse", "logit_loss", "topk_kl",
            "centred_gram", "downstream_gain", "norm_gain", "fisher_diagonal", "cached_fisher", "teacher_topk",
            "cached_topk", "Tail"]

@@ -113,11 +113,11 @@ class Layerwise(Objective):
                  val_batch: list[dict] | None = None, loss: str = "mse", aux: list[dict] | None = None,
                  lam: float = 0.1, switch: float = 0.5, total_steps: int = 1, ppl_model=None, ppl_ids=None,
                  topk_rest: bool = False):
-        from .losses import module_phases
+        from .losses import parse_loss
 
         self.modules, self.contexts, self.source, self.val_batch = modules, contexts, source, val_batch
         self.activations = [m.activation for m in modules]
-        self.phases = [module_phases(loss, m.norm is not None) for m in modules]
+        self.phases = [parse_loss(loss) for _ in modules]
         self.aux = aux or [{} for _ in modules]
         self.lam, self.switch = lam, switch
         self.set_total_steps(total_steps)

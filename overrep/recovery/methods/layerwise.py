@@ -14,7 +14,7 @@ from ...errors import OverRepError
 from ...model.hooks import capture_layer_context, module_context
 from ...model.presets import get_preset
 from ...model.wrap import apply_preset, merge_recovery
-from ..losses import Tail, cached_fisher, cached_topk, centred_gram, downstream_gain, module_phases, teacher_topk
+from ..losses import Tail, cached_fisher, cached_topk, centred_gram, downstream_gain, parse_loss, teacher_topk
 from ..objectives import Layerwise
 from ..teacher import PROBE_ROWS, MethodInputs
 from .base import Method, MethodRun, at_last_trained_step, check_fold
@@ -36,7 +36,7 @@ class LayerwiseRun(MethodRun):
         self.contexts = [module_context(full_ctx, m) for m in self.modules]
         self.val_probe = teacher.batch(inputs.heldout_ids[:16])
         self.loss = r.loss
-        per_module = [module_phases(r.loss, g.final_norm) for g in plan.groups]
+        per_module = [parse_loss(r.loss) for _ in plan.groups]
         phases = sorted({p for ph in per_module for p in ph})
         aux = self.loss_constants(per_module, full_ctx) if with_data else None
         source = teacher.features() if with_data else None
