@@ -208,8 +208,8 @@ class AdaLoraRun(AdapterRun):
         if tinit >= total - tfinal:
             raise OverRepError(f"AdaLoRA needs more optimiser steps to allocate ranks (got {total})")
         return AdaLoraConfig(init_r=2 * rank, target_r=rank, lora_alpha=alpha,
-                             lora_dropout=self.inputs.config.lora_dropout, target_modules=targets, tinit=tinit, tfinal=tfinal, deltaT=1, total_step=total,
-                             task_type="CAUSAL_LM")
+                             lora_dropout=self.inputs.config.lora_dropout, target_modules=targets, tinit=tinit,
+                             tfinal=tfinal, deltaT=1, total_step=total, task_type="CAUSAL_LM")
 
     def ranks(self) -> dict[str, int]:
         pattern = getattr(self.peft_model.peft_config["default"], "rank_pattern", None)
