@@ -99,11 +99,15 @@ def cmd_inspect(args) -> int:
 
     cfg = _config(args)
     p = Pipeline(cfg, progress=not args.quiet)
-    p.load(create_output=False)
     r = cfg.recovery
-    if p.width:  # the account is the real wrapped model's (no config-only path for width plans yet)
-        p.prune()
-        p.build_recovery(with_data=False)
+    # the account of what trains: from the plan, or from the method built (on a width plan: no
+    # config-only path yet; a method that trains something other than recovery modules)
+    built = p.width or not r.method_entry.planned_account
+    if built:
+        p.prepare(with_data=False, create_output=False)
+    else:
+        p.load(create_output=False)
+    if p.width:
         m = p.metrics
         print(json.dumps({"model": p.model_info["source"], "method": p.method.name, "granularity": "width",
                           "criterion": cfg.prune.width_criterion, "widths": m["widths"],
@@ -116,9 +120,7 @@ def cmd_inspect(args) -> int:
                            block1_init=r.block1_init, final_block=r.final_block)
     acc.update(model=p.model_info["source"], method=p.method.name, criterion=cfg.prune.criterion,
                criterion_scores=p.selection.scores, total_steps=p.total_steps)
-    if not p.method.planned_account:  # what trains is not the recovery module
-        p.prune()
-        p.build_recovery(with_data=False)
+    if built:
         acc["trainable_params"] = p.recovery.trainable_params
         acc["recovery_ratio"] = acc["trainable_params"] / acc["compact_params"]
         acc.pop("train_state_bytes", None)
@@ -165,12 +167,7 @@ def cmd_export(args) -> int:
         raise OverRepError(f"'{out}' is not an overrep output folder (no config.yaml)")
     p = Pipeline(RunConfig.load(out / "config.yaml"), resume=True, progress=not args.quiet)
     p.prepare_output()
-    p.load()
-    p.prune()
-    p.build_recovery(with_data=False)
-    if p.cfg.recovery.time_budget is not None and p.cfg.recovery.steps is None:  # measured, in the checkpoints
-        p.total_steps = p.checkpointed_total() or p.total_steps
-        p.build_recovery(with_data=False)
+    p.prepare(with_data=False)  # a budgeted run's step count: read from its checkpoints
     trainer = p.make_trainer()
     if trainer.step < trainer.total:
         raise OverRepError(f"training in '{out}' stopped at step {trainer.step} of {trainer.total}; "

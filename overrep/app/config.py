@@ -8,6 +8,7 @@ and the resolved configuration is written next to every output (``config.yaml``)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import typing
 from dataclasses import dataclass, field
@@ -103,6 +104,12 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def differing_section(self, other: "RunConfig") -> str | None:
+        """The first section (``output`` aside) in which ``other`` differs from this one."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return next((k for k in mine if k != "output" and json.dumps(mine[k], default=str)
+                     != json.dumps(theirs[k], default=str)), None)
 
     def save(self, path: str | Path) -> None:
         from ..atomic import write_text
