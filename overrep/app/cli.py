@@ -345,8 +345,8 @@ def cmd_methods(args) -> int:
     from ..recovery.losses import LOSSES
 
     print("layer-wise losses (recovery.loss; overrep, plain, streamline; A>B: A, then B from recovery.loss_switch):")
-    for name, text in LOSSES.items():
-        print(f"  {name:12s} {text}")
+    for name, loss in LOSSES.items():
+        print(f"  {name:12s} {loss.description}")
     print("pruning criteria (prune.criterion):")
     for name, c in CRITERIA.items():
         print(f"  {name:16s} {c.description}")
