@@ -33,13 +33,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--ratio", type=float, help="fraction of parameters to remove (rounded to whole blocks)")
     g.add_argument("--remove", help="explicit blocks to remove, e.g. 21-28 or 3,5,7-9")
-    p.add_argument("--method", help="recovery method (see `overrep methods`; default overrep)")
     p.add_argument("--prune", choices=("blocks", "width"),
                    help="what a ratio removes: whole decoder blocks (default) or width (attention heads and MLP "
                         "channels of every block)")
-    p.add_argument("--criterion", help="pruning criterion: last | block-influence | cosine | laco")
+    from ..pruning.registry import CRITERIA
     from ..recovery.losses import LOSSES
+    from ..recovery.methods import METHODS
 
+    p.add_argument("--method", help=f"recovery method: {METHODS.choices(' | ')} (default overrep; see `overrep methods`)")
+    p.add_argument("--criterion", help=f"pruning criterion: {CRITERIA.choices(' | ')}")
     p.add_argument("--loss", help=f"layer-wise loss: {' | '.join(LOSSES)}, or A>B (see `overrep methods`)")
     p.add_argument("--preset", help="recovery preset name or .yaml file")
     p.add_argument("--output", help="output folder")

@@ -62,9 +62,6 @@ class RecoveryModule(nn.Module):
             h = h if self.norm is None else self.norm(h)
         return h.to(dtype)
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
-
 
 def _wrap_block(layer: nn.Module, index: int, spec, preset: Preset, act: AnnealedActivation,
                 keep: dict | None = None) -> None:

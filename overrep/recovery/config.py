@@ -50,8 +50,8 @@ class RecoveryConfig(RestoreLCCOptions, KDOptions, LossOptions, RankAdaptorOptio
         """A width-pruned model: refuse a method defined for block removal only, and the
         defaults where block pruning's do not apply (measured best at short budgets): the
         preset ``width-linear`` for ``hybrid`` and the method's ``width_lr``; fp32 training
-        (bf16 autocast measured ~15x slower per block on a CPU for the full-width P + W and
-        the rectangular D)."""
+        (bf16 autocast is far slower per block on a CPU for the full-width P + W and the
+        rectangular D)."""
         from ..model.width import PRUNED_SIDE
 
         method = self.method_entry

@@ -184,9 +184,6 @@ class Layerwise(Objective):
             m.train(mode)
 
 
-LayerwiseMSE = Layerwise  # the name before recovery.loss existed
-
-
 class _WholeModel(Objective):
     """Shared by the objectives that run the whole pruned model on token rows."""
 
