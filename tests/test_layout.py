@@ -3,8 +3,9 @@
 Layers, lowest first (a module may import its own layer and the ones below it):
 
     errors, atomic,  one error type, one atomic writer, one registry type, the cache root,
-    registry, paths, the ranks of a torchrun run
-    distributed
+    registry, paths, the ranks of a torchrun run, cache keys and memoisation, YAML reading
+    distributed,
+    memo, yamlio
     core             the method on one layer: schedule, projection + fold, experts
     model            a Hugging Face model: arch adapters, loading, surgery, presets, wrap/merge, hooks
     pruning          pruning criteria
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "overrep"
-LAYERS = [("errors", "atomic", "registry", "paths", "distributed"), ("core",), ("model",), ("pruning",), ("data",), ("recovery",), ("eval",), ("app",)]
+LAYERS = [("errors", "atomic", "registry", "paths", "distributed", "memo", "yamlio"), ("core",), ("model",), ("pruning",), ("data",), ("recovery",), ("eval",), ("app",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 FACADES = {"overrep", "overrep.__main__"}
 

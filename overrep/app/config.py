@@ -18,6 +18,7 @@ import yaml
 
 from ..errors import OverRepError
 from ..recovery.config import RecoveryConfig
+from ..yamlio import read_yaml
 
 
 @dataclass
@@ -180,20 +181,6 @@ class RunConfig:
 
     def total_steps(self) -> int:
         return self.recovery.total_steps(self.data.train_sequences)
-
-
-def read_yaml(path: str | Path, what: str) -> dict:
-    """A YAML mapping from ``path``; one-line errors for a missing file or bad YAML."""
-    p = Path(path)
-    if not p.is_file():
-        raise OverRepError(f"{what} '{p}' does not exist")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise OverRepError(f"{what} '{p}' is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise OverRepError(f"{what} '{p}' must hold a mapping")
-    return data
 
 
 def _parse_overrides(items: list[str]) -> list[tuple[str, object]]:

@@ -33,8 +33,6 @@ entry at the end of this file.
 
 from __future__ import annotations
 
-import hashlib
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -43,14 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..atomic import save_torch
 from ..errors import OverRepError
+from ..memo import digest, memoised
 from ..registry import Registry
 from ..core.precision import autocast
 from ..model.arch import decoder_layers, final_norm, input_norm
 from ..model.placement import execution_device, input_device
-
-log = logging.getLogger(__name__)
 
 def parse_loss(spec: str) -> list[str]:
     """``"normed>kl-topk"`` -> ``["normed", "kl-topk"]``; one-line error on an unknown name."""
@@ -122,17 +118,7 @@ def centred_gram(model: nn.Module) -> torch.Tensor:
 
 
 def _cache_file(root: Path, kind: str, key: dict) -> Path:
-    digest = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:16]
-    return root / "features" / f"{kind}-{digest}.pt"
-
-
-def _load(path: Path):
-    if path.is_file():
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception:  # torn or foreign: recompute
-            log.warning("loss cache %s is unreadable; recomputing", path)
-    return None
+    return root / "features" / f"{kind}-{digest(key)}.pt"
 
 
 def fisher_diagonal(dense: nn.Module, ids: torch.Tensor, groups, batch: int = 8) -> list[torch.Tensor]:
@@ -184,14 +170,10 @@ def cached_fisher(teacher, rows: int) -> list[torch.Tensor]:
     n = min(rows, teacher.train_ids.shape[0])
     path = _cache_file(teacher.cache_root, "fisher",
                        {**{k: str(v) for k, v in teacher.fingerprint.items()}, "rows": n})
-    with teacher.world.main_first():  # several ranks: rank 0 computes it, the others read it back
-        got = _load(path)
-        if got is not None and len(got) == len(teacher.plan.groups):
-            log.info("fisher: reusing %s", path)
-            return list(got)
-        weights = fisher_diagonal(teacher.dense, teacher.train_ids[:n], teacher.plan.groups)
-        save_torch(path, weights, "the Fisher cache")
-        return weights
+    weights, _ = memoised(path, lambda: fisher_diagonal(teacher.dense, teacher.train_ids[:n], teacher.plan.groups),
+                          "the Fisher cache", valid=lambda got: len(got) == len(teacher.plan.groups),
+                          world=teacher.world)  # several ranks: rank 0 computes it, the others read it back
+    return list(weights)
 
 
 @torch.no_grad()
@@ -216,14 +198,13 @@ def cached_topk(teacher, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     path = _cache_file(teacher.cache_root, "topk", {"model": fp["model"], "data": str(fp["data"]),
                                                     "seq_len": fp["seq_len"], "dtype": fp["model_dtype"], "k": k,
                                                     "rows": teacher.train_ids.shape[0], "values": "log-probabilities"})
-    with teacher.world.main_first():
-        got = _load(path)
-        if got is not None:
-            log.info("top-%d logits: reusing %s", k, path)
-            return got["values"], got["indices"]
+
+    def topk() -> dict:
         values, indices = teacher_topk(teacher.dense, teacher.train_ids, k)
-        save_torch(path, {"values": values, "indices": indices}, "the top-k cache")
-        return values, indices
+        return {"values": values, "indices": indices}
+
+    got, _ = memoised(path, topk, f"the top-{k} cache", world=teacher.world)
+    return got["values"], got["indices"]
 
 
 # ---- the rest of the model after a module (kl-topk) --------------------------------
