@@ -346,7 +346,8 @@ def cmd_methods(args) -> int:
         print(f"  {name:12s} {m.description} [lr {m.default_lr:g}]")
     from ..recovery.losses import LOSSES
 
-    print("layer-wise losses (recovery.loss; overrep, plain, streamline; A>B: A, then B from recovery.loss_switch):")
+    layerwise = ", ".join(n for n, m in METHODS.items() if m.objective == "layerwise")
+    print(f"layer-wise losses (recovery.loss; {layerwise}; A>B: A, then B from recovery.loss_switch):")
     for name, loss in LOSSES.items():
         print(f"  {name:12s} {loss.description}")
     print("pruning criteria (prune.criterion):")
