@@ -142,8 +142,7 @@ def make_pipeline(args, case: str, preset: str | None = None, method: str = "ove
     })
     p = Pipeline(cfg, overwrite=True, progress=False)
     p.prepare_output()
-    p.load()
-    p.prune()
+    p.prepare(recovery=False)  # the cases set the recovery up themselves (some time it)
     return p
 
 

@@ -158,3 +158,30 @@ def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == tb["steps"] and log[-1]["alpha"] == 0.0 and log[-1]["lr"] < log[refit["at_step"]]["lr"]
     assert m["merge_max_rel_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["overrep", "lora"])
+def test_a_budget_is_fitted_once_and_no_stage_runs_twice(assets, tmp_path, monkeypatch, method):
+    """The fit measures a copy of the pruned model between pruning and the method's set-up:
+    the model is pruned once, the method built once for the measurement and once to train."""
+    import overrep.app.budgeting as budgeting
+    import overrep.app.pipeline as pipeline
+    from overrep.recovery.trainer import Trainer
+
+    calls = {"prune": 0, "probe": 0, "build": 0, "measure": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(pipeline, "prune", counted("prune", pipeline.prune))
+    monkeypatch.setattr(budgeting, "build_recovery", counted("probe", budgeting.build_recovery))
+    monkeypatch.setattr(pipeline, "build_recovery", counted("build", pipeline.build_recovery))
+    monkeypatch.setattr(Trainer, "measure", counted("measure", Trainer.measure))
+    cfg = tiny_cfg(assets, tmp_path / method, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                   recovery__time_budget="20s", recovery__method=method)
+    m = Pipeline(cfg, progress=False).run()
+    assert calls == {"prune": 1, "probe": 1, "build": 1, "measure": 1}
+    assert m["time_budget"]["steps"] == m["train_steps"] >= 1

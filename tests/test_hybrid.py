@@ -6,7 +6,6 @@ tiny Bamba (Mamba-2 or attention plus an MLP per block, attention blocks listed 
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -33,9 +32,14 @@ KIND = {"M": "Mamba2Mixer", "*": "Attention", "-": "MLP"}
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
+def stitchable(model):
+    """The stitches ``model``'s blocks allow (what plan_recovery gives plan_pruning)."""
+    return lambda target, source: can_stitch(decoder_layers(model), target, source)
+
+
 def pruned(remove, **plan_kw):
     model = tiny_model(ARCH)
-    plan = plan_pruning(len(decoder_layers(model)), remove, **plan_kw)
+    plan = plan_pruning(len(decoder_layers(model)), remove, stitchable=stitchable(model), **plan_kw)
     prune(model, plan)
     return model, plan
 
@@ -113,12 +117,16 @@ def test_pattern_string_fields_are_sliced():
     assert cfg.model_type == "hybrid" and len(cfg.mtp_layers_block_type) == 6
 
 
-def test_stitched_falls_back_to_retained_on_one_part_blocks(caplog):
+def test_stitched_falls_back_to_retained_on_one_part_blocks():
+    """The plan is final when made: block 1 is planned retained, and pruning refuses a plan
+    that asks for a stitch the blocks do not allow."""
     dense = tiny_model(ARCH)
     assert not can_stitch(decoder_layers(dense), 1, 3)
-    with caplog.at_level(logging.INFO, logger="overrep.model.surgery"):
-        model, plan = pruned([2, 3])
-    assert plan.groups[0].stitch == {} and "initialised 'retained'" in caplog.text
+    with pytest.raises(OverRepError, match="stitches block 1 from block 3"):
+        prune(tiny_model(ARCH), plan_pruning(6, [2, 3]))
+    model, plan = pruned([2, 3])
+    assert plan.groups[0].stitch == {}
+    assert plan_recovery(dense, [2, 3], get_preset("hybrid")).groups[0].stitch == {}
     assert torch.equal(decoder_layers(model)[1].mixer.q_proj.weight, decoder_layers(dense)[1].mixer.q_proj.weight)
 
 
@@ -129,7 +137,7 @@ def test_prune_by_ratio_with_a_criterion(criterion, tmp_path):
     assert 1 <= n < 6
     selection = get_criterion(criterion)(model, n, tiny_ids(batch=4, seq=16, seed=1))
     assert len(selection.removed) == n
-    plan = plan_pruning(6, selection.removed)
+    plan = plan_pruning(6, selection.removed, stitchable=stitchable(model))
     prune(model, plan)
     assert pattern(model) == "".join(c for i, c in enumerate(HYBRID_PATTERN) if i not in selection.removed)
     ids = tiny_ids()

@@ -3,8 +3,9 @@
 Layers, lowest first (a module may import its own layer and the ones below it):
 
     errors, atomic,  one error type, one atomic writer, one registry type, the cache root,
-    registry, paths, the ranks of a torchrun run
-    distributed
+    registry, paths, the ranks of a torchrun run, cache keys and memoisation, YAML reading
+    distributed,
+    memo, yamlio
     core             the method on one layer: schedule, projection + fold, experts
     model            a Hugging Face model: arch adapters, loading, surgery, presets, wrap/merge, hooks
     pruning          pruning criteria
@@ -14,7 +15,8 @@ Layers, lowest first (a module may import its own layer and the ones below it):
     app              config, pipeline, compare, reports, export, cli (the only argparse)
 
 Every ``import`` in a file counts, also those inside functions (a lazy import is still a
-dependency); imports under ``if TYPE_CHECKING:`` do not (they never run). The package root
+dependency) and those under ``if TYPE_CHECKING:`` (a type a lower layer names is a
+dependency on the layer that defines it, even if the import never runs). The package root
 (``overrep/__init__.py``: ``__version__`` and the public re-exports) sits above everything; only
 ``__version__`` may be read from it. The subpackage names are not names the root exports
 (``overrep.prune`` would shadow the function ``overrep.prune`` once imported).
@@ -29,7 +31,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "overrep"
-LAYERS = [("errors", "atomic", "registry", "paths", "distributed"), ("core",), ("model",), ("pruning",), ("data",), ("recovery",), ("eval",), ("app",)]
+LAYERS = [("errors", "atomic", "registry", "paths", "distributed", "memo", "yamlio"), ("core",), ("model",), ("pruning",), ("data",), ("recovery",), ("eval",), ("app",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 FACADES = {"overrep", "overrep.__main__"}
 
@@ -42,23 +44,13 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def _imports(name: str, path: Path) -> set[str]:
-    """The overrep modules ``name`` imports (run-time imports only)."""
+    """The overrep modules ``name`` imports (type-only imports included)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for sub in child.orelse:
-                    visit(sub)
-                continue
             if isinstance(child, ast.Import):
                 found.update(a.name for a in child.names if a.name.split(".")[0] == "overrep")
             elif isinstance(child, ast.ImportFrom):
@@ -154,4 +146,12 @@ def test_the_graph_sees_imports():
     assert "overrep.core.schedule" in GRAPH["overrep.core.projection"]
     assert "overrep.model.arch" in GRAPH["overrep.model.surgery"]
     assert "overrep.app.pipeline" in GRAPH["overrep.app.commands"]  # a lazy import counts
-    assert "overrep.app.config" not in GRAPH["overrep.recovery.trainer"]  # TYPE_CHECKING does not
+    assert "overrep.recovery.options" in GRAPH["overrep.recovery.trainer"]
+
+
+def test_type_only_imports_count(tmp_path):
+    """An import under ``if TYPE_CHECKING:`` is seen like any other."""
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..app.config import RunConfig\n"
+    path = tmp_path / "trainer.py"
+    path.write_text(source)
+    assert "overrep.app.config" in _imports("overrep.recovery.trainer", path)

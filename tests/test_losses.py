@@ -104,7 +104,7 @@ def test_mse_is_the_original_objective_bit_for_bit():
 
 
 def test_loss_spelling():
-    assert losses.module_phases("normed>kl-topk", True) == ["normed", "kl-topk"]
+    assert losses.parse_loss("normed>kl-topk") == ["normed", "kl-topk"]
     assert RunConfig.load().recovery.loss == "normed"  # the default (docs/losses.md, README)
     with pytest.raises(OverRepError, match="A>B"):
         RunConfig.load(overrides={"recovery": {"loss": "mse>normed>logit"}})

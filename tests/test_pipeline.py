@@ -14,7 +14,7 @@ from overrep.app.cli import main
 from overrep.app.config import RunConfig
 from overrep.errors import OverRepError
 from overrep.app.pipeline import Pipeline
-from overrep.recovery.objectives import LayerwiseMSE
+from overrep.recovery.objectives import Layerwise
 
 from tiny import run_killed_at, tiny_cfg
 
@@ -75,7 +75,7 @@ def test_live_teacher_trains_like_the_cache(assets, tmp_path):
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(assets, tmp_path, monkeypatch):
-    original = LayerwiseMSE.loss
+    original = Layerwise.loss
     calls = []
 
     def nan_at_step_3(self, idx):  # one call per step (no accumulation): the 4th call is step 3
@@ -83,7 +83,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(assets, tmp_
         loss = original(self, idx)
         return loss * float("nan") if len(calls) == 4 else loss
 
-    monkeypatch.setattr(LayerwiseMSE, "loss", nan_at_step_3)
+    monkeypatch.setattr(Layerwise, "loss", nan_at_step_3)
     out = tmp_path / "nan"
     with pytest.raises(OverRepError, match="loss became nan at step 3.*step-000002.pt"):
         Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False), progress=False).run()

@@ -101,8 +101,6 @@ def test_search_is_cached_seeded_and_leaves_the_random_state_alone(assets, tmp_p
     assert len(calls) == 4 and not again.recovery.searched_now
     assert again.recovery.block_ranks == first.recovery.block_ranks
     assert again.recovery.search_seconds == first.recovery.search_seconds > 0
-    # a rebuild's estimate leaves the search out: it is what the build took less the search
-    assert first.build_seconds <= first.wall - first.recovery.search_seconds + 1e-6
     # the adapters start from the same weights whether the search ran or was read back
     state = again.recovery.peft_model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in lora_a.items())

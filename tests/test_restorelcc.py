@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from overrep.app.config import RecoveryConfig
+from overrep.recovery.config import RecoveryConfig
 from overrep.app.pipeline import Pipeline
 from overrep.errors import OverRepError
 from overrep.model.arch import decoder_layers
@@ -143,7 +143,7 @@ def test_unmergeable_architectures_are_refused_before_probing(arch, monkeypatch)
 
     monkeypatch.setattr(probe_mod, "run_probe", never)
     dense = tiny_model(arch)
-    plan = plan_pruning(6, [2])
+    plan = plan_pruning(6, [2], block1_init="retained")  # (a one-part hybrid block takes no stitch)
     pruned = prune(copy.deepcopy(dense), plan)
     inputs = MethodInputs(pruned, dense, plan, RecoveryConfig(method="restorelcc"), tiny_ids(4, 16),
                           tiny_ids(2, 16), 4, None)

@@ -1,103 +1,99 @@
-"""Time budgets in the pipeline: measure, then fix the step count (and the rows to cache).
+"""Time budgets in the pipeline: measure once, then fix the step count (and the rows to cache).
 
-The arithmetic is :mod:`overrep.recovery.budget`; this mixin of
-:class:`~overrep.app.pipeline.Pipeline` runs the measurements on the run's own models and
-data. Several ranks (``torchrun``) all measure, but rank 0's figures decide, so that every
-rank trains the same number of steps.
+The arithmetic is :mod:`overrep.recovery.budget`; :func:`fit_budget` runs the measurement
+on the run's own data, between pruning and setting the method up: the method is built
+once on a copy of the pruned model (with a few rows' features for a method on the disk
+cache, so that a short budget does not pay for features it will never train on), a few
+real steps are timed on it, and the copy is dropped. Several ranks (``torchrun``) all
+measure, but rank 0's figures decide, so that every rank trains the same number of steps.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 
+from ..distributed import World
 from ..recovery.budget import StepCosts, fit_steps, parse_duration
-from ..recovery.methods import build_recovery
+from ..recovery.methods import Method, MethodInputs, build_recovery
 from ..recovery.teacher import PROBE_ROWS
 
 log = logging.getLogger("overrep.app.pipeline")
 
 
-class BudgetStages:
-    """The pipeline's time-budget stages (see :mod:`overrep.recovery.budget`)."""
+@dataclass
+class BudgetFit:
+    """What a time budget decided: the step count, the training rows to keep (None: all),
+    the measured costs (None: the step count was read from a checkpoint) and the record
+    that goes to ``metrics.json`` (``time_budget``)."""
 
-    def budget_sizes_cache(self) -> bool:
-        """A layer-wise method on the disk cache under a time budget: the budget decides how
-        many training rows get features (see :mod:`overrep.recovery.budget`)."""
-        r = self.cfg.recovery
-        return (self.method.family == "layerwise" and self.cfg.cache.mode == "disk"
-                and r.time_budget is not None and r.steps is None)
+    steps: int
+    rows: int | None
+    costs: StepCosts | None
+    info: dict
 
-    def fit_cached_budget(self) -> None:
-        """Fix the step count and the rows to cache from a probe: the teacher timed on a few
-        rows, a few real steps on their features; then a fresh pruned model."""
-        r = self.cfg.recovery
-        budget = parse_duration(r.time_budget)
-        per_step = r.batch_size * r.grad_accum
-        total = self.checkpointed_total() if self.resume else None
-        info = {"seconds": budget}
-        if total is None:
-            self.teacher.mode = "probe"
-            try:
-                t0 = time.perf_counter()
-                self.recovery = build_recovery(self.method_inputs(), self.method)
-                rebuild = time.perf_counter() - t0 - PROBE_ROWS * self.teacher.row_seconds  # paid again below
-                costs = self.make_trainer().measure()
-            finally:
-                self.teacher.mode = self.cfg.cache.mode
-            costs = dataclasses.replace(costs, row=self.teacher.row_seconds, rows_per_step=per_step,
-                                        max_rows=self.train_ids.shape[0], passes=r.budget_passes)
-            left = budget - (time.perf_counter() - self.recovery_started) - max(0.0, rebuild)
-            total = self.fit_budget(costs, left, info)
-            log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps on "
-                     "%d rows", budget, costs.step, costs.row, left, total, costs.rows(total))
-        rows = StepCosts(0, 0, 0, rows_per_step=per_step, max_rows=self.train_ids.shape[0],
-                         passes=r.budget_passes).rows(total)
-        self.train_ids = self.train_ids[:rows]
-        self.teacher.use_rows(rows)
-        self.total_steps = info["steps"] = total
-        info["rows"] = rows
-        self.metrics["time_budget"] = info
-        torch.manual_seed(r.seed)  # the measured steps leave no trace: fresh model, fresh recovery
-        self.prune()
 
-    def checkpointed_total(self) -> int | None:
-        """The step count the newest checkpoint was trained for (a budgeted run's is measured)."""
-        found = sorted((self.out / "checkpoints").glob("step-*.pt"))
-        if not found:
+def checkpointed_total(out: Path) -> int | None:
+    """The step count the newest checkpoint in ``out`` was trained for (a budgeted run's is measured)."""
+    found = sorted((out / "checkpoints").glob("step-*.pt"))
+    if not found:
+        return None
+    try:
+        return int(torch.load(found[-1], map_location="cpu", weights_only=True)["total_steps"])
+    except Exception:
+        return None  # the trainer's resume reports the unreadable file
+
+
+def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started: float, world: World,
+               make_trainer: Callable, resumed_total: int | None, measure: bool = True) -> BudgetFit | None:
+    """``recovery.time_budget`` as a step count (and, for a method on the disk cache, a number
+    of training rows), so that the schedules complete inside it, features included.
+
+    ``inputs``: what the method will be built from; ``started``: when the budget began
+    (:func:`time.perf_counter`); ``make_trainer(objective)``: a trainer for a measurement;
+    ``resumed_total``: a resumed run's step count, which is kept. None where nothing is
+    decided (``measure=False`` and nothing to resume)."""
+    r = inputs.config
+    budget = parse_duration(r.time_budget)
+    per_step = r.batch_size * r.grad_accum
+    sizes_cache = method.needs_features and cache_mode == "disk"
+    info: dict = {"seconds": budget}
+    total, costs = resumed_total, None
+    if total is None:
+        if not measure:
             return None
-        try:
-            return int(torch.load(found[-1], map_location="cpu", weights_only=True)["total_steps"])
-        except Exception:
-            return None  # the trainer's resume reports the unreadable file
-
-    def fit_budget(self, costs: StepCosts, left: float, info: dict) -> int:
-        """The step count for ``left`` seconds at ``costs`` (3% kept for what is not measured);
-        the trainer re-fits it to the deadline once it has timed real steps."""
-        r = self.cfg.recovery
-        self.budget_costs = costs = self.world.broadcast(costs)  # rank 0's figures decide
+        teacher = dataclasses.replace(inputs.teacher, mode="probe") if sizes_cache else inputs.teacher
+        probe = dataclasses.replace(inputs, pruned=copy.deepcopy(inputs.pruned), teacher=teacher)
+        t0, cached = time.perf_counter(), teacher.seconds
+        run = build_recovery(probe, method)
+        # what building it again costs: not the cache, nor a search it reads back, nor the probe's features
+        rebuild = time.perf_counter() - t0 - (teacher.seconds - cached) - (
+            run.search_seconds if run.searched_now else 0.0) - (PROBE_ROWS * teacher.row_seconds if sizes_cache else 0.0)
+        costs = make_trainer(run.objective).measure()
+        del run, probe
+        if sizes_cache:
+            costs = dataclasses.replace(costs, row=teacher.row_seconds, rows_per_step=per_step,
+                                        max_rows=inputs.train_ids.shape[0], passes=r.budget_passes)
+        left = budget - (time.perf_counter() - started) - max(0.0, rebuild)
+        costs = world.broadcast(costs)  # rank 0's figures decide
         info.update({f"measured_{k}": v for k, v in (("seconds_per_step", costs.step),
                      ("validation_seconds", costs.validation), ("checkpoint_seconds", costs.checkpoint),
                      ("feature_seconds_per_row", costs.row)) if v})
-        return self.world.broadcast(fit_steps(0.97 * left, costs, r.eval_every, r.checkpoint_every))
-
-    def fit_time_budget(self) -> None:
-        """``recovery.time_budget``: fix the step count so that the schedules complete inside
-        it, feature caching included (see :mod:`overrep.recovery.budget`)."""
-        r = self.cfg.recovery
-        budget = parse_duration(r.time_budget)
-        total = self.checkpointed_total() if self.resume else None
-        info = {"seconds": budget}
-        if total is None:
-            costs = self.make_trainer().measure()
-            left = budget - (time.perf_counter() - self.recovery_started) - self.build_seconds
-            total = self.fit_budget(costs, left, info)
-            log.info("time budget %.0f s: %.2f s per step, %.0f s left -> %d steps", budget, costs.step, left, total)
-        self.total_steps = info["steps"] = total
-        torch.manual_seed(r.seed)  # the measured steps leave no trace: fresh model, fresh recovery
-        self.prune()
-        self.build_recovery()
-        self.metrics["time_budget"] = info
+        # 3% kept for what is not measured; the trainer re-fits once it has timed real steps
+        total = world.broadcast(fit_steps(0.97 * left, costs, r.eval_every, r.checkpoint_every))
+        log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps on "
+                 "%d rows", budget, costs.step, costs.row, left, total, costs.rows(total) if sizes_cache
+                 else inputs.train_ids.shape[0])
+    info["steps"] = total
+    rows = None
+    if sizes_cache:
+        rows = info["rows"] = StepCosts(0, 0, 0, rows_per_step=per_step, max_rows=inputs.train_ids.shape[0],
+                                        passes=r.budget_passes).rows(total)
+    return BudgetFit(total, rows, costs, info)

@@ -73,11 +73,15 @@ def cmd_inspect(args) -> int:
 
     cfg = _config(args)
     p = Pipeline(cfg, progress=not args.quiet)
-    p.load(create_output=False)
     r = cfg.recovery
-    if p.width:  # the account is the real wrapped model's (no config-only path for width plans yet)
-        p.prune()
-        p.build_recovery(with_data=False)
+    # the account of what trains: from the plan, or from the method built (on a width plan: no
+    # config-only path yet; a method that trains something other than recovery modules)
+    built = p.width or not r.method_entry.planned_account
+    if built:
+        p.prepare(with_data=False, create_output=False)
+    else:
+        p.load(create_output=False)
+    if p.width:
         m = p.metrics
         print(json.dumps({"model": p.model_info["source"], "method": p.method.name, "granularity": "width",
                           "criterion": cfg.prune.width_criterion, "widths": m["widths"],
@@ -85,14 +89,12 @@ def cmd_inspect(args) -> int:
                           "param_fraction_removed_head_counted": m["param_fraction_removed_head_counted"],
                           "trainable_params": p.recovery.trainable_params, "total_steps": p.total_steps}, indent=2))
         return 0
-    preset = p.method.preset or r.preset
-    acc = recovery_account(p.dense.config, p.selection.removed, preset, blocks=p.method.blocks or r.blocks,
+    preset = r.preset_name
+    acc = recovery_account(p.dense.config, p.selection.removed, preset, blocks=r.blocks_per_run,
                            block1_init=r.block1_init, final_block=r.final_block)
     acc.update(model=p.model_info["source"], method=p.method.name, criterion=cfg.prune.criterion,
                criterion_scores=p.selection.scores, total_steps=p.total_steps)
-    if p.method.family in ("adapter", "full"):  # what trains is not the recovery module
-        p.prune()
-        p.build_recovery(with_data=False)
+    if built:
         acc["trainable_params"] = p.recovery.trainable_params
         acc["recovery_ratio"] = acc["trainable_params"] / acc["compact_params"]
         acc.pop("train_state_bytes", None)
@@ -142,12 +144,7 @@ def cmd_export(args) -> int:
     p = Pipeline(cfg, resume=True, progress=not args.quiet)
     p.prepare_output()
     with p.output_guard():  # the folder is this command's until it ends
-        p.load()
-        p.prune()
-        p.build_recovery(with_data=False)
-        if p.cfg.recovery.time_budget is not None and p.cfg.recovery.steps is None:  # measured, in the checkpoints
-            p.total_steps = p.checkpointed_total() or p.total_steps
-            p.build_recovery(with_data=False)
+        p.prepare(with_data=False)  # a budgeted run's step count: read from its checkpoints
         trainer = p.make_trainer()
         if trainer.step < trainer.total:
             raise OverRepError(f"training in '{out}' stopped at step {trainer.step} of {trainer.total}; "
@@ -285,9 +282,10 @@ def cmd_methods(args) -> int:
         print(f"  {name:12s} {m.description} [lr {m.default_lr:g}]")
     from ..recovery.losses import LOSSES
 
-    print("layer-wise losses (recovery.loss; overrep, plain, streamline; A>B: A, then B from recovery.loss_switch):")
-    for name, text in LOSSES.items():
-        print(f"  {name:12s} {text}")
+    layerwise = ", ".join(n for n, m in METHODS.items() if m.objective == "layerwise")
+    print(f"layer-wise losses (recovery.loss; {layerwise}; A>B: A, then B from recovery.loss_switch):")
+    for name, loss in LOSSES.items():
+        print(f"  {name:12s} {loss.description}")
     print("pruning criteria (prune.criterion):")
     for name, c in CRITERIA.items():
         print(f"  {name:16s} {c.description}")

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
 import shutil
@@ -56,8 +55,10 @@ from pathlib import Path
 
 import yaml
 
-from .config import RunConfig, read_yaml
+from ..yamlio import read_yaml
+from .config import RunConfig
 from ..errors import OverRepError
+from ..memo import digest
 from ..atomic import write_json
 from ..recovery.budget import parse_duration
 from ..recovery.methods import METHODS
@@ -161,7 +162,7 @@ class Cell:
 
 
 def _hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return digest(obj, 10)
 
 
 def _deep_update(base: dict, extra: dict) -> dict:

@@ -8,6 +8,7 @@ and the resolved configuration is written next to every output (``config.yaml``)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +17,8 @@ from pathlib import Path
 import yaml
 
 from ..errors import OverRepError
-
+from ..recovery.config import RecoveryConfig
+from ..yamlio import read_yaml
 
 
 @dataclass
@@ -39,60 +41,6 @@ class PruneConfig:
     granularity: str = "blocks"  # "blocks": remove whole decoder blocks | "width": narrow every block's attention heads and MLP channels (prune.ratio, width_criterion)
     width_criterion: str = "taylor"  # width: which heads/channels go, "taylor" (LLM-Pruner's first-order importance) | "magnitude"
     width_heads: bool = True  # width: prune attention heads as well as MLP channels (False: MLP channels only)
-
-
-@dataclass
-class RecoveryConfig:
-    method: str = "overrep"  # overrep | plain | streamline | lora | adalora | lora-iso | rankadaptor | full-ft | logit-kd | overrep-kd | restorelcc
-    preset: str = "hybrid"  # overrep / overrep-kd: built-in preset name (see `overrep presets`) or a preset .yaml file
-    blocks: int | str = "auto"  # recovery blocks per removed run (block before it + blocks after it); "auto": 2 for a mask of one run, 1 for several separate runs (each measured better there: docs/results.md)
-    # a module may extend into the model's final block and end at the final norm's output (the paper's
-    # layout on its mask); off: it stops before the final block (better per wall-clock: docs/results.md)
-    final_block: bool = False
-    block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
-    steps: int | None = None  # optimiser steps; overrides epochs when set
-    epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)
-    time_budget: str | None = "15m"  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
-    budget_passes: float = 1.0  # time budget, layer-wise methods on the disk cache: passes over each cached row the step count is planned for (1: a short budget sees each row once; 2: half the rows, cheaper features, more steps)
-    batch_size: int = 8  # sequences per optimiser step (before accumulation)
-    grad_accum: int = 1  # micro-batches accumulated per step
-    lr: float | None = None  # peak learning rate (AdamW); None = the method's default (overrep: 1e-3, chosen by measurement)
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_ratio: float = 0.01  # linear learning-rate warm-up, fraction of steps
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
-    weight_decay: float = 0.01  # applied to pretrained matrices only, never to W, D or norms
-    grad_clip: float = 1.0  # max global gradient norm (0 disables)
-    alpha_warmup_ratio: float = 0.01  # annealed activation: rho_w
-    alpha_linear_ratio: float = 0.2  # annealed activation: rho_l (final linear phase)
-    seed: int = 0  # initialisation / batch-order seed
-    lora_rank: int = 16  # lora / adalora: rank r (adalora starts at 2r and allocates down to an average of r)
-    lora_alpha: float = 32.0  # lora / adalora: scaling alpha (lora-iso keeps alpha / r)
-    lora_dropout: float = 0.05  # lora / adalora: dropout on the adapter input
-    # rankadaptor (RankAdaptor): per-block LoRA ranks, mean lora_rank, chosen by a performance-model search (cached)
-    rankadaptor_probes: int = 8  # rank configurations really fine-tuned and measured (the uniform one and ~half sampled offline, the rest proposed online)
-    rankadaptor_probe_steps: int = 10  # optimiser steps of each probe's short LoRA fine-tune (the search costs probes x probe_steps LoRA steps, plus one validation each)
-    rankadaptor_candidates: int = 2000  # configurations the performance model scores per online round (the best two are measured)
-    rankadaptor_budget_share: float = 0.5  # under recovery.time_budget the search stops once another probe would pass this share of the budget (the uniform probe always runs)
-    rankadaptor_val_sequences: int = 8  # training rows held back to score the probes (validation loss; never the held-out rows)
-    loss: str = "normed"  # overrep / plain / streamline: layer-wise loss, mse (the paper's) | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`; chosen by held-out perplexity, docs/losses.md)
-    loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term
-    loss_switch: float = 0.5  # A>B losses: fraction of the steps after which B replaces A
-    loss_topk: int = 64  # kl-topk: teacher log-probabilities cached per token
-    loss_topk_rest: bool = True  # kl-topk: add one bucket for all tokens outside the top-K (else renormalise on it)
-    fisher_sequences: int = 32  # fisher: training rows the diagonal Fisher is estimated on
-    kd_tau: float = 1.0  # logit-kd / overrep-kd: distillation temperature
-    # restorelcc (RestoreLCC): learnable vectors on the attention heads a probe found pruning hurt most
-    restorelcc_heads: float = 0.25  # heads compensated: a fraction (<= 1) of all heads of the pruned model, or a whole count (> 1); the reference's default is a quarter
-    restorelcc_components: int = 10  # top SVD directions of a head's dense-minus-pruned outputs whose mean part is its lost component (the probe's edit)
-    restorelcc_probe_rows: int = 8  # training rows (every token) the dense and pruned heads are compared and probed on
-    restorelcc_probe: str = "gradient"  # head score: "gradient" (loss change of the edit to first order, one backward) | "edit" (measured, one forward per head)
-    restorelcc_init_std: float = 1e-3  # std of the normal init of the magnitudes and the free component (the reference's; 0: start exactly at the pruned model)
-    checkpoint_every: int = 50  # steps between checkpoints (and at the end)
-    eval_every: int = 50  # steps between validation measurements (val_loss; val_ppl on data.validation_sequences rows)
-    keep_best: bool = True  # end at the checkpoint of lowest val_ppl (among those that fold exactly: alpha = 0) when it beats the last step; needs validation rows
-    threads: int | None = None  # torch CPU threads (None = torch's default)
-    precision: str = "auto"  # training forward of every method: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32" | "auto" (bf16 where the device has bf16 instructions: AVX512-BF16/AMX CPUs, GPUs; else fp32); see docs/speed.md
-    shard: str = "none"  # several ranks (torchrun), layer-wise methods: "none" (every rank holds the recovery modules, gradients all-reduced) | "fsdp" (W, D and the recovery blocks sharded over the ranks by torch FSDP2; README "Scaling")
 
 
 @dataclass
@@ -158,6 +106,12 @@ class RunConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def differing_section(self, other: "RunConfig") -> str | None:
+        """The first section (``output`` aside) in which ``other`` differs from this one."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return next((k for k in mine if k != "output" and json.dumps(mine[k], default=str)
+                     != json.dumps(theirs[k], default=str)), None)
+
     def save(self, path: str | Path) -> None:
         from ..atomic import write_text
 
@@ -183,45 +137,9 @@ class RunConfig:
             raise OverRepError("set prune.ratio or prune.remove")
         if p.remove is None and not 0 < p.ratio < 1:
             raise OverRepError(f"pruning ratio must be between 0 and 1 (exclusive), got {p.ratio}")
-        if r.steps is not None and r.steps < 1:
-            raise OverRepError(f"recovery.steps must be >= 1, got {r.steps}")
-        if r.time_budget is not None:
-            from ..recovery.budget import parse_duration
-
-            parse_duration(r.time_budget)
-        if not (r.budget_passes >= 1 and math.isfinite(r.budget_passes)):
-            raise OverRepError(f"recovery.budget_passes must be a number >= 1, got {r.budget_passes}")
-        if r.steps is None and r.epochs <= 0:
-            raise OverRepError(f"recovery.epochs must be > 0, got {r.epochs}")
-        for name, v in (("batch_size", r.batch_size), ("grad_accum", r.grad_accum),
-                        ("checkpoint_every", r.checkpoint_every), ("eval_every", r.eval_every)):
-            if v < 1:
-                raise OverRepError(f"recovery.{name} must be >= 1, got {v}")
-        if r.lr is not None and r.lr <= 0:
-            raise OverRepError(f"recovery.lr must be > 0, got {r.lr}")
-        if not 0 < r.alpha_linear_ratio <= 1:
-            raise OverRepError(f"recovery.alpha_linear_ratio must be in (0, 1] (the merge needs a final linear "
-                               f"phase), got {r.alpha_linear_ratio}")
-        if not 0 <= r.alpha_warmup_ratio <= 1 - r.alpha_linear_ratio:
-            raise OverRepError(f"recovery.alpha_warmup_ratio must be in [0, 1 - alpha_linear_ratio], "
-                               f"got {r.alpha_warmup_ratio}")
-        for name, v in (("warmup_ratio", r.warmup_ratio), ("min_lr_ratio", r.min_lr_ratio)):
-            if not 0 <= v <= 1:
-                raise OverRepError(f"recovery.{name} must be in [0, 1], got {v}")
-        if r.weight_decay < 0 or r.grad_clip < 0:
-            raise OverRepError("recovery.weight_decay and recovery.grad_clip must be >= 0")
-        if not all(0 <= b < 1 for b in r.betas):
-            raise OverRepError(f"recovery.betas must be in [0, 1), got {list(r.betas)}")
-        if r.blocks != "auto" and (isinstance(r.blocks, bool) or not isinstance(r.blocks, int) or r.blocks < 1):
-            raise OverRepError(f"recovery.blocks must be an integer >= 1 or 'auto', got {r.blocks!r}")
-        if r.threads is not None and r.threads < 1:
-            raise OverRepError(f"recovery.threads must be >= 1, got {r.threads}")
-        from ..recovery.methods import METHODS
-
-        if r.method not in METHODS:
-            raise OverRepError(f"unknown recovery.method '{r.method}'; available: {', '.join(METHODS)}")
+        r.check_training()
+        r.method_entry  # an unknown method fails here
         from ..pruning.registry import CRITERIA
-        from ..model.presets import get_preset
 
         if p.granularity not in ("blocks", "width"):
             raise OverRepError(f"prune.granularity must be 'blocks' or 'width', got '{p.granularity}'")
@@ -229,21 +147,7 @@ class RunConfig:
             self._resolve_width()
         elif p.remove is None and p.criterion not in CRITERIA:
             raise OverRepError(f"unknown prune.criterion '{p.criterion}'; available: {', '.join(CRITERIA)}")
-        get_preset(METHODS[r.method].preset or r.preset)  # a bad name or preset file fails here, not mid-run
-        from ..recovery.losses import parse_loss
-
-        parse_loss(r.loss)
-        if r.loss_lambda < 0 or not 0 <= r.loss_switch <= 1 or r.loss_topk < 1 or r.fisher_sequences < 1:
-            raise OverRepError("recovery.loss_lambda must be >= 0, loss_switch in [0, 1], loss_topk and "
-                               "fisher_sequences >= 1")
-        if r.lora_rank < 1 or r.kd_tau <= 0:
-            raise OverRepError("recovery.lora_rank must be >= 1 and recovery.kd_tau > 0")
-        from ..recovery.methods import check_rankadaptor_config
-
-        check_rankadaptor_config(r, d.train_sequences)
-        from ..recovery.methods.restorelcc import check_config as check_restorelcc
-
-        check_restorelcc(r, p.granularity)
+        r.check_options(d.train_sequences)
         if p.calibration_sequences < 1:
             raise OverRepError("prune.calibration_sequences must be >= 1")
         if d.seq_len < 8 or d.train_sequences < 1 or d.heldout_sequences < 1 or d.validation_sequences < 0:
@@ -255,14 +159,7 @@ class RunConfig:
             raise OverRepError(f"cache.teacher must be 'model' or 'stream', got '{c.teacher}'")
         if c.rebuild not in ("auto", "never"):
             raise OverRepError(f"cache.rebuild must be 'auto' or 'never', got '{c.rebuild}'")
-        from ..core.precision import check_precision
-
-        check_precision(r.precision)
-        from ..recovery.sharding import check_shard
-
-        if check_shard(r.shard) == "fsdp" and METHODS[r.method].family != "layerwise":
-            raise OverRepError(f"recovery.shard: fsdp shards layer-wise recovery modules; '{r.method}' trains the "
-                               "whole model (use recovery.shard: none)")
+        r.check_runtime(r.method_entry.shardable)
         if self.model.dtype not in ("float32", "bfloat16", "auto"):
             raise OverRepError(f"model.dtype must be float32, bfloat16 or auto, got '{self.model.dtype}'")
         if c.dtype not in ("float32", "bfloat16"):
@@ -272,61 +169,22 @@ class RunConfig:
                                "weight of the dense model at once; it needs cache.teacher: model")
 
     def _resolve_width(self) -> None:
-        """Width pruning's constraints, and its defaults where block pruning's do not apply:
-        the preset ``width-linear`` for ``hybrid`` and OverRep's learning rate 1e-4 (both
-        measured best at short budgets), teacher features recomputed every step
-        (``cache.mode: live``; a disk cache would hold two hidden states per block), and
-        fp32 training (bf16 autocast measured ~15x slower per block on this CPU for the
-        full-width P + W and the rectangular D)."""
+        """Width pruning's constraints, and its defaults where block pruning's do not apply
+        (:meth:`RecoveryConfig.resolve_width`): teacher features are recomputed every step
+        (``cache.mode: live``; a disk cache would hold two hidden states per block)."""
         from ..pruning.width import WIDTH_CRITERIA
-        from ..recovery.methods import METHODS
 
-        p, r = self.prune, self.recovery
+        p = self.prune
         if p.remove is not None:
             raise OverRepError("prune.remove names blocks to remove; width pruning takes prune.ratio")
         if p.width_criterion not in WIDTH_CRITERIA:
             raise OverRepError(f"unknown prune.width_criterion '{p.width_criterion}'; available: "
                                f"{', '.join(WIDTH_CRITERIA)}")
-        if r.method in ("streamline", "lora-iso"):
-            raise OverRepError(f"recovery.method '{r.method}' is defined for block removal only; width pruning "
-                               f"supports {', '.join(m for m in METHODS if m not in ('streamline', 'lora-iso'))}")
-        if r.preset == "hybrid":  # measured (docs/results.md, width at 6 min): 262 against 645 for 'width'
-            r.preset = "width-linear"
-        if r.lr is None and r.method == "overrep":  # 1e-3 on full-width W took the model to 10,237 (pruned: 1,613)
-            r.lr = 1e-4
-        from ..model.presets import get_preset
-        from ..model.width import PRUNED_SIDE
-
-        preset = get_preset(METHODS[r.method].preset or r.preset)
-        for b in preset.blocks if preset.uses_d else ():
-            bad = [k for k in PRUNED_SIDE if k not in b.d or preset.d_side[k] != PRUNED_SIDE[k]]
-            if bad:
-                raise OverRepError(f"preset '{preset.name}' cannot recover a width-pruned model: '{bad[0]}' needs D "
-                                   f"on its {PRUNED_SIDE[bad[0]]} side (use the preset 'width')")
+        self.recovery.resolve_width()
         self.cache.mode = "live"
-        if r.precision in ("bf16", "auto"):  # full-width P + W under bf16 autocast: ~15x slower a block than fp32 on a CPU
-            r.precision = "fp32"
 
     def total_steps(self) -> int:
-        r = self.recovery
-        if r.steps is not None:
-            return r.steps
-        per_epoch = max(1, self.data.train_sequences // (r.batch_size * r.grad_accum))
-        return max(1, int(round(r.epochs * per_epoch)))
-
-
-def read_yaml(path: str | Path, what: str) -> dict:
-    """A YAML mapping from ``path``; one-line errors for a missing file or bad YAML."""
-    p = Path(path)
-    if not p.is_file():
-        raise OverRepError(f"{what} '{p}' does not exist")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise OverRepError(f"{what} '{p}' is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise OverRepError(f"{what} '{p}' must hold a mapping")
-    return data
+        return self.recovery.total_steps(self.data.train_sequences)
 
 
 def _parse_overrides(items: list[str]) -> list[tuple[str, object]]:

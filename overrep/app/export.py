@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from ..atomic import json_default, write_dir
 from ..errors import OverRepError
 from ..model.onload import is_onloaded
@@ -40,3 +42,16 @@ def export_model(model, tokenizer, out_dir: str | Path, provenance: dict, *, ove
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=json_default) + "\n")
 
     return write_dir(out_dir, write, "the model folder")
+
+
+def export_checked(model, tokenizer, out_dir: str | Path, provenance: dict, ids: torch.Tensor,
+                   device: torch.device) -> tuple[Path, float]:
+    """:func:`export_model` (replacing ``out_dir``), then the folder reloaded the way ``model``
+    is held (whole by Hugging Face, or block by block when onloaded): its path and the largest
+    logit difference from ``model`` on ``ids``."""
+    from ..model.onload import reload
+
+    path = export_model(model, tokenizer, out_dir, provenance, overwrite=True)
+    reloaded = reload(path, model, device)
+    with torch.no_grad():
+        return path, (reloaded(ids.to(device)).logits - model(ids.to(device)).logits).abs().max().item()

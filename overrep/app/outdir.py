@@ -20,7 +20,6 @@ Rules (docs/configuration.md, "What happens when things go wrong", describes the
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -124,11 +123,9 @@ class RunFolder:
 
         if not (self.path / "config.yaml").exists():
             return
-        saved, mine = RunConfig.load(self.path / "config.yaml").to_dict(), cfg.to_dict()
-        diff = [k for k in mine if k != "output" and json.dumps(mine[k], default=str)
-                != json.dumps(saved[k], default=str)]
-        if diff:
-            raise OverRepError(f"--resume with a different configuration (section '{diff[0]}' differs from "
+        section = cfg.differing_section(RunConfig.load(self.path / "config.yaml"))
+        if section is not None:
+            raise OverRepError(f"--resume with a different configuration (section '{section}' differs from "
                                f"{self.path / 'config.yaml'})")
 
     # ---- writing -------------------------------------------------------------------

@@ -26,16 +26,15 @@ from .. import __version__
 from ..atomic import write_json
 from ..core.precision import resolve_model_dtype, resolve_precision
 from ..data.text import token_splits
-from ..errors import OverRepError
 from ..eval.heldout import domain_perplexities, require_finite, unseen_domain_rows
 from ..eval.measure import generation_latency
-from ..model.accounting import blocks_for_ratio, counted_parameters
+from ..model.accounting import blocks_for_ratio, pruning_account
 from ..model.arch import check_supported, decoder_layers
 from ..model.loading import load_model
 from ..model import onload
 from ..model.placement import is_placed, placed_copy, teacher_placement
 from ..model.runtime import check_finite, digest, model_fingerprint, peak_memory_bytes, resolve_device
-from ..model.surgery import can_stitch, parse_layers, plan_pruning, prune
+from ..model.surgery import parse_layers, plan_pruning, prune
 from ..model.presets import get_preset
 from ..model.wrap import count_parameters, plan_recovery
 from ..pruning.cached import cached_selection
@@ -47,16 +46,16 @@ from ..recovery.sharding import gather, shard_objective
 from ..recovery.trainer import Trainer
 from ..paths import cache_root
 from ..distributed import World, world_from_env
-from .budgeting import BudgetStages
+from .budgeting import BudgetFit, checkpointed_total, fit_budget
 from .config import RunConfig
-from .export import export_model
+from .export import export_checked, export_model
 from .outdir import RunFolder
 from .runinfo import how_it_ran
 
 log = logging.getLogger(__name__)
 
 
-class Pipeline(BudgetStages):
+class Pipeline:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, reuse: bool = False,
                  progress: bool = True, world: World | None = None):
         """``resume``: continue the run in ``cfg.output`` (it must exist); ``overwrite``: replace
@@ -70,6 +69,16 @@ class Pipeline(BudgetStages):
         self.metrics: dict = {}
         self.timings: dict[str, float] = {}
         self.benchmark_results: dict[str, dict] = {}
+        # what the stages produce, set by them in this order (None until a stage has run):
+        self.folder: RunFolder | None = None  # prepare_output (rank 0)
+        self.device = self.dense = self.tokenizer = self.model_info = self._offload = self.num_layers = None  # load
+        self.model_fp = self.method = self.rcfg = self.total_steps = self.selection = self.plan = self.teacher = None
+        self.train_ids = self.heldout_ids = self.val_ids = self.unseen_ids = self.data_info = None
+        self.pruned = None  # prune (merge: the compact model)
+        self.budget: BudgetFit | None = None  # build_recovery: recovery.time_budget's decision
+        self.recovery_started: float | None = None  # build_recovery: when the recovery (and a budget) started
+        self.recovery = None  # build_recovery: the method's MethodRun
+        self.trainer = self.history = None  # train
 
     # ---- stage 0: output folder ----------------------------------------------------
     def prepare_output(self) -> None:
@@ -95,14 +104,14 @@ class Pipeline(BudgetStages):
         try:
             yield
         except BaseException:
-            if getattr(self, "folder", None) is not None:
+            if self.folder is not None:
                 self.folder.rollback()
             raise
         else:
-            if getattr(self, "folder", None) is not None:
+            if self.folder is not None:
                 self.folder.commit()
         finally:
-            if getattr(self, "folder", None) is not None:
+            if self.folder is not None:
                 self.folder.unlock()  # the output folder is free for the next run
 
     # ---- stage 1: model, plan, data ------------------------------------------------
@@ -132,7 +141,7 @@ class Pipeline(BudgetStages):
         r = cfg.recovery
         self.method = get_method(r.method)
         if cfg.prune.remove is not None:  # an impossible --remove fails before the data loads
-            plan_pruning(self.num_layers, parse_layers(str(cfg.prune.remove)), blocks=self.method.blocks or r.blocks,
+            plan_pruning(self.num_layers, parse_layers(str(cfg.prune.remove)), blocks=r.blocks_per_run,
                          block1_init=r.block1_init, final_block=r.final_block)
         t0 = time.perf_counter()
         d = cfg.data
@@ -152,23 +161,17 @@ class Pipeline(BudgetStages):
             self.select_widths()
         else:
             self.select_blocks()
-            self.plan = plan_recovery(self.dense, self.selection.removed, get_preset(self.method.preset or r.preset),
-                                      blocks=self.method.blocks or r.blocks, block1_init=r.block1_init,
-                                      final_block=r.final_block)
-        layers = decoder_layers(self.dense)
-        for g in self.plan.groups:  # a block a criterion already rewrote (LaCo) keeps its weights,
-            for target, source in list(g.stitch.items()):  # and a hybrid's one-part block its own
-                if target in self.selection.replaced or not can_stitch(layers, target, source):
-                    del g.stitch[target]
+            self.plan = plan_recovery(self.dense, self.selection.removed, get_preset(r.preset_name),
+                                      blocks=r.blocks_per_run, block1_init=r.block1_init,
+                                      final_block=r.final_block, keep=self.selection.replaced)
         self.rcfg = dataclasses.replace(r, lr=r.lr if r.lr is not None else self.method.default_lr,
                                         precision=resolve_precision(r.precision, self.device))
         self.total_steps = cfg.total_steps()
         self.teacher = self.make_teacher()
         if not create_output or not self.world.is_main:
             return
-        # The output folder is touched only once model, plan and data are known to be good, so
-        # a typo in the command leaves everything as it was.
-        if not hasattr(self, "folder"):
+        # the output folder is touched only once model, plan and data are known good (a typo changes nothing)
+        if self.folder is None:
             self.prepare_output()
         self.folder.open()
         self.cfg.save(self.out / "config.yaml")
@@ -190,13 +193,10 @@ class Pipeline(BudgetStages):
                                                   model_fp=self.model_fp, root=self.cache_root)
         self.timings["criterion"] = time.perf_counter() - t0
 
-    @property
-    def width(self) -> bool:
-        return self.cfg.prune.granularity == "width"
+    width = property(lambda self: self.cfg.prune.granularity == "width")  # width pruning, not blocks
 
     def select_widths(self) -> None:
         """Width pruning: the heads and MLP channels every block keeps (``prune.width_criterion``)."""
-        from ..pruning.selection import Selection
         from ..pruning.width import plan_width
 
         p = self.cfg.prune
@@ -225,21 +225,12 @@ class Pipeline(BudgetStages):
             for index, state in self.selection.replaced.items():  # e.g. LaCo's collapsed blocks
                 layers[index].load_state_dict(state)
             self.pruned = prune(model, self.plan)
-        dense_params, compact_params = count_parameters(self.dense), count_parameters(self.pruned)
-        counted, _ = counted_parameters(self.dense)
         p = self.cfg.prune
         self.metrics.update({
-            "granularity": p.granularity,
-            "removed_layers": list(self.plan.removed),
+            "granularity": p.granularity, "removed_layers": list(self.plan.removed),
             "criterion": (p.width_criterion if self.width else p.criterion) if p.remove is None else "explicit",
             "criterion_scores": self.selection.scores,
-            "num_layers_before": self.num_layers,
-            "num_layers_after": self.num_layers - len(self.plan.removed),
-            "layer_fraction_removed": len(self.plan.removed) / self.num_layers,
-            "param_fraction_removed": 1 - compact_params / dense_params,
-            "param_fraction_removed_head_counted": (dense_params - compact_params) / counted,
-            "dense_params": dense_params,
-            "pruned_params": compact_params,
+            **pruning_account(self.dense, self.pruned, self.plan.removed),
             "recovery_modules": [g.to_dict() for g in self.plan.groups],
         })
         if self.width:
@@ -281,18 +272,26 @@ class Pipeline(BudgetStages):
 
     # ---- stage 3: the recovery method and its data -------------------------------
     def build_recovery(self, with_data: bool = True) -> None:
-        """Set up ``recovery.method`` on the pruned model (``with_data=False``: no feature
-        cache, for re-exporting from checkpoints)."""
-        t0 = time.perf_counter()
-        self.recovery_started = getattr(self, "recovery_started", t0)  # a time budget counts from here
-        if with_data and self.budget_sizes_cache() and "time_budget" not in self.metrics:
-            self.fit_cached_budget()
-        cached = self.teacher.seconds
+        """Set up ``recovery.method`` on the pruned model, after fixing a time budget's step
+        count (``with_data=False``: no feature cache and no measurement, for re-exporting
+        from checkpoints and ``overrep inspect``)."""
+        assert self.recovery is None, "the recovery is built once"
+        self.recovery_started = t0 = time.perf_counter()  # a time budget counts from here
+        r = self.cfg.recovery
+        if r.time_budget is not None and r.steps is None:
+            self.budget = fit_budget(self.method, self.method_inputs(), cache_mode=self.cfg.cache.mode, started=t0,
+                                     world=self.world, resumed_total=checkpointed_total(self.out) if self.resume
+                                     else None, make_trainer=lambda objective: self.make_trainer(objective, False),
+                                     measure=with_data)
+        if self.budget is not None:
+            self.total_steps = self.budget.steps
+            if self.budget.rows is not None:
+                self.train_ids = self.train_ids[:self.budget.rows]
+                self.teacher.use_rows(self.budget.rows)
+            self.metrics["time_budget"] = self.budget.info
+            torch.manual_seed(r.seed)  # the measured steps leave no trace: a fresh recovery
         self.recovery = build_recovery(self.method_inputs(), self.method, with_data=with_data)
         self.note_cache()
-        # what a rebuild (a time budget's) costs again: not the cache, nor a search it reads back
-        self.build_seconds = time.perf_counter() - t0 - (self.teacher.seconds - cached) - (
-            self.recovery.search_seconds if self.recovery.searched_now else 0.0)
         if self.recovery.search_seconds:
             self.timings["search"] = self.recovery.search_seconds
         self.metrics.update(method=self.method.name, objective=self.method.objective)
@@ -335,38 +334,39 @@ class Pipeline(BudgetStages):
                                      "build_seconds": self.teacher.cache.build_seconds}
 
     # ---- stage 4: training ---------------------------------------------------------
-    def make_trainer(self) -> Trainer:
+    def make_trainer(self, objective=None, resume: bool | None = None) -> Trainer:
+        """A trainer for the recovery's objective (or ``objective``: a time budget's
+        measurement), resumed from the checkpoints under ``--resume`` (or ``resume``)."""
         cfg = self.cfg
         run = {k: v for k, v in cfg.to_dict().items() if k != "output"}
         run["recovery"].pop("shard")  # sharded or not, the same checkpoints
         fingerprint = digest({"cfg": run, "model": self.model_fp})
+        objective = objective if objective is not None else self.recovery.objective
         if self.rcfg.shard == "fsdp":  # before the optimiser: it steps the shards
-            shard_objective(self.recovery.objective, self.world)
-        self.trainer = Trainer(self.recovery.objective, self.train_ids.shape[0], self.rcfg, self.total_steps,
-                               self.out / "checkpoints", tokens_per_sample=cfg.data.seq_len,
-                               fingerprint=fingerprint, progress=self.progress, world=self.world)
-        if self.resume:
-            self.trainer.resume()
-        return self.trainer
+            shard_objective(objective, self.world)
+        trainer = Trainer(objective, self.train_ids.shape[0], self.rcfg, self.total_steps, self.out / "checkpoints",
+                          tokens_per_sample=cfg.data.seq_len, fingerprint=fingerprint, progress=self.progress,
+                          world=self.world)
+        if self.resume if resume is None else resume:
+            trainer.resume()
+        return trainer
 
     def train(self) -> None:
         r = self.cfg.recovery
-        if r.time_budget is not None and r.steps is None and "time_budget" not in self.metrics:
-            self.fit_time_budget()
-        trainer = self.make_trainer()
-        costs = getattr(self, "budget_costs", None)
+        self.trainer = trainer = self.make_trainer()
+        costs = self.budget.costs if self.budget is not None else None
         if costs is not None and trainer.step == 0:  # measured in this process: re-fit once it runs
             trainer.deadline = Deadline(self.recovery_started + parse_duration(r.time_budget), costs,
                                         r.eval_every, r.checkpoint_every)
         result = trainer.run()
         gather(self.recovery.objective)  # recovery.shard: fsdp -- full plain blocks again, for the merge
-        if "time_budget" in self.metrics:
+        if self.budget is not None:
             info = self.metrics["time_budget"]
             info["used_seconds"] = time.perf_counter() - self.recovery_started
             if trainer.refit is not None:
                 info["steps"], info["refit"] = trainer.total, trainer.refit
         if self.world.is_main:
-            self.trainer.write_log(self.out / "train_log.jsonl")
+            trainer.write_log(self.out / "train_log.jsonl")
         self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds,
                              "train_tokens": result.tokens, "train_tokens_per_second": result.tokens_per_second,
                              "final_train_loss": result.history[-1]["loss"] if result.history else None,
@@ -382,26 +382,16 @@ class Pipeline(BudgetStages):
 
     # ---- stage 6: export -----------------------------------------------------------
     def export(self) -> Path:
+        training = ("train_steps", "train_seconds", "train_tokens", "final_train_loss", "final_val_loss")
         provenance = {
-            "overrep_version": __version__,
-            "source_model": self.model_info,
-            "removed_layers": list(self.plan.removed),
-            "plan": self.plan.to_dict(),
-            "method": self.method.name,
-            "recovery": self.recovery.describe(),
+            "overrep_version": __version__, "source_model": self.model_info, "removed_layers": list(self.plan.removed),
+            "plan": self.plan.to_dict(), "method": self.method.name, "recovery": self.recovery.describe(),
             "merge_max_abs_diff": self.metrics.get("merge_max_abs_diff"),
-            "training": {k: self.metrics.get(k) for k in ("train_steps", "train_seconds", "train_tokens",
-                                                          "final_train_loss", "final_val_loss")},
-            "data": self.data_info,
-            "config": self.cfg.to_dict(),
+            "training": {k: self.metrics.get(k) for k in training}, "data": self.data_info, "config": self.cfg.to_dict(),
         }
-        path = export_model(self.pruned, self.tokenizer, self.out / "model", provenance, overwrite=True)
-        reloaded = onload.reload(path, self.pruned, self.device)  # as it was held: whole or block by block
-        ids = self.heldout_ids[:1].to(self.device)
-        with torch.no_grad():
-            d = (reloaded(ids).logits - self.pruned(ids).logits).abs().max().item()
-        self.metrics["export_reload_max_abs_diff"] = d
-        self.metrics["model_dir"] = str(path)
+        path, diff = export_checked(self.pruned, self.tokenizer, self.out / "model", provenance, self.heldout_ids[:1],
+                                    self.device)  # reloaded as it is held: whole, or block by block
+        self.metrics.update(export_reload_max_abs_diff=diff, model_dir=str(path))
         return path
 
     def export_pruned(self) -> Path:
@@ -410,27 +400,40 @@ class Pipeline(BudgetStages):
                       "removed_layers": list(self.plan.removed), "plan": self.plan.to_dict(), "config": self.cfg.to_dict()}
         return export_model(self.pruned, self.tokenizer, self.out / "pruned-model", provenance, overwrite=True)
 
-    # ---- everything ----------------------------------------------------------------
+    # ---- the public entry points ---------------------------------------------------
+    def prepare(self, *, evaluate: tuple[str, ...] = (), recovery: bool = True, with_data: bool = True,
+                create_output: bool = True) -> None:
+        """Everything before training: model, plan and data, the pruned model, the baseline
+        evaluations named in ``evaluate`` ("dense", "pruned"), and the recovery method set up
+        (``recovery=False``: stop at the pruned model; ``with_data``: see :meth:`build_recovery`)."""
+        self.load(create_output=create_output)
+        self.prune()
+        for tag in evaluate:
+            self.evaluate_model(self.dense if tag == "dense" else self.pruned, tag)
+        if recovery:
+            self.build_recovery(with_data=with_data)
+
+    def recover(self) -> None:
+        """Train, then fold the recovery into the compact model (rank 0 merges)."""
+        self.train()
+        if self.world.is_main:
+            self.merge()
+
     def run(self) -> dict:
         self.prepare_output()
         try:
             with self.output_guard():
                 return self._run()
         finally:
-            if getattr(self, "_offload", None) is not None:  # model.device_map's offloaded weights
+            if self._offload is not None:  # model.device_map's offloaded weights
                 self._offload.cleanup()
 
     def _run(self) -> dict:
         t_start = time.perf_counter()
-        self.load()
-        self.prune()
-        self.evaluate_model(self.dense, "dense")
-        self.evaluate_model(self.pruned, "pruned")
-        self.build_recovery()
-        self.train()
+        self.prepare(evaluate=("dense", "pruned"))
+        self.recover()
         if not self.world.is_main:  # the rest is written once
             return self.metrics
-        self.merge()
         self.evaluate_model(self.pruned, "recovered")
         self.export()
         self.metrics.update({

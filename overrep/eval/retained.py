@@ -83,25 +83,6 @@ def retained_performance(pruned_results, dense_results) -> dict:
     return out
 
 
-def evaluate_retained(pruned, dense, *, tokenizer=None, dense_tokenizer=None, output_dir=None, **settings) -> dict:
-    """Evaluate a pruned and a dense model with the same settings and compute RP.
-
-    ``pruned`` / ``dense``: model specs or in-memory models (then pass ``tokenizer`` /
-    ``dense_tokenizer``; the dense one defaults to ``tokenizer``). ``settings`` go to
-    :func:`overrep.eval.lmeval.evaluate_benchmarks` (``tasks``, ``limit``, ``batch_size``, ...).
-    Results are written to ``output_dir/pruned.json`` and ``output_dir/dense.json``
-    (default: the current folder's ``overrep-eval/``).
-
-    Returns ``{"pruned": results, "dense": results, "retained": retained_performance(...)}``.
-    """
-    from .lmeval import evaluate_benchmarks
-
-    out = Path(output_dir) if output_dir is not None else Path("overrep-eval")
-    dense_res = evaluate_benchmarks(dense, dense_tokenizer or tokenizer, output=out / "dense.json", **settings)
-    pruned_res = evaluate_benchmarks(pruned, tokenizer, output=out / "pruned.json", **settings)
-    return {"pruned": pruned_res, "dense": dense_res, "retained": retained_performance(pruned_res, dense_res)}
-
-
 def format_retained(rp: dict) -> str:
     lines = [f"{'benchmark':14s} {'metric':24s} {'pruned':>7s} {'dense':>7s} {'RP %':>7s}"]
     for suite, s in rp.items():

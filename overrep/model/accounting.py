@@ -28,6 +28,16 @@ def meta_model(config: PretrainedConfig | str):
         return AutoModelForCausalLM.from_config(config)
 
 
+def pruning_account(dense, pruned, removed: list[int]) -> dict:
+    """What removing ``removed`` took from ``dense`` (``pruned``: the result): blocks and parameters."""
+    n = len(decoder_layers(dense))
+    dense_params, compact_params = count_parameters(dense), count_parameters(pruned)
+    return {"num_layers_before": n, "num_layers_after": n - len(removed), "layer_fraction_removed": len(removed) / n,
+            "param_fraction_removed": 1 - compact_params / dense_params,
+            "param_fraction_removed_head_counted": (dense_params - compact_params) / counted_parameters(dense)[0],
+            "dense_params": dense_params, "pruned_params": compact_params}
+
+
 def counted_parameters(model) -> tuple[int, int]:
     """``(total, per-block mean)``; the output head counts as its own matrix even when tied.
 

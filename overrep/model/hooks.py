@@ -25,6 +25,18 @@ class StopForward(Exception):
     """Raised by a hook once it has what it needs: the rest of the forward pass is skipped."""
 
 
+def run_hooked(model: nn.Module, handles: list, **inputs):
+    """``model(**inputs)`` with the hooks of ``handles`` in place, removed afterwards; a hook
+    that raises :class:`StopForward` ends the pass early (the result is then None)."""
+    try:
+        return model(**inputs)
+    except StopForward:
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+
+
 #: keyword arguments of a decoder block that are not part of its context (cache bookkeeping)
 NOT_CONTEXT = frozenset({"past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions"})
 
@@ -48,13 +60,7 @@ def capture_layer_context(model: nn.Module, seq_len: int) -> list[dict]:
 
     device = input_device(model)
     handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        model(input_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device), use_cache=False)
-    except StopForward:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, handles, input_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device), use_cache=False)
     return context
 
 
@@ -102,13 +108,7 @@ def teacher_features(model: nn.Module, input_ids: torch.Tensor, groups: list[Rec
         handles.append(layer.register_forward_hook(post(i)))
     if need_norm:
         handles.append(norm.register_forward_hook(norm_hook))
-    try:
-        model(input_ids=input_ids.to(input_device(model)), use_cache=False)
-    except StopForward:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, handles, input_ids=input_ids.to(input_device(model)), use_cache=False)
     return out
 
 

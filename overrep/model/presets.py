@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
 
 from .arch import ALL_PROJ, ATTN_PROJ, KNOWN_PROJ, MLP_PROJ
 from ..errors import OverRepError
+from ..yamlio import read_yaml
 
 # Expanding projections take D on the output side, contracting ones on the input side. A
 # Mamba-2 mixer's in_proj (key 'in', named only by custom presets) defaults to its input
@@ -139,14 +139,6 @@ def get_preset(name_or_path: str | dict | Preset) -> Preset:
         return BUILTIN_PRESETS[name_or_path]
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml"):
-        if not path.is_file():
-            raise OverRepError(f"preset file '{path}' does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise OverRepError(f"preset file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise OverRepError(f"preset file '{path}' must hold a mapping")
-        return Preset.from_dict(data)
+        return Preset.from_dict(read_yaml(path, "preset file"))
     raise OverRepError(f"unknown preset '{name_or_path}'; built-in: {', '.join(BUILTIN_PRESETS)} "
                        "(or a .yaml file)")

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import resource
 
 import torch
 
 from ..errors import OverRepError
+from ..memo import digest  # (the runtime's fingerprints and the caches share one digest)
 from .placement import named_tensors
-
-
-def digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def model_fingerprint(model, source: str) -> str:

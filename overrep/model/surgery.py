@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 from torch import nn
 
@@ -135,7 +136,7 @@ class PrunePlan:
 
 def plan_pruning(num_layers: int, removed: list[int], *, blocks: int | str = 2,
                  block1_init: str = "stitched", recoverable: list[bool] | None = None,
-                 final_block: bool = True) -> PrunePlan:
+                 final_block: bool = True, stitchable: Callable[[int, int], bool] | None = None) -> PrunePlan:
     """Validate ``removed`` and lay out the recovery module(s) for it.
 
     A run's module is the retained block before it (block 1) plus the blocks after it, until
@@ -149,6 +150,9 @@ def plan_pruning(num_layers: int, removed: list[int], *, blocks: int | str = 2,
     before it, the module stops before it too and matches the hidden state the final block
     reads, not the final norm's output (``recovery.final_block``; the paper's modules on its
     mask take the final block). A run that removes the final block itself ends there anyway.
+
+    ``stitchable(target, source)``: whether block ``target`` can take block ``source``'s
+    feed-forward part (default: always); where it cannot, block 1 is planned ``retained``.
     """
     removed = sorted(set(removed))
     if not removed:
@@ -194,7 +198,8 @@ def plan_pruning(num_layers: int, removed: list[int], *, blocks: int | str = 2,
         layers = lead + take(after, blocks - bool(lead and recoverable[lead[0]]))
         # block 1 is stitched (the attention of the block before, the MLP of the run's last
         # block) only when it is the block right before the run
-        stitch = {a - 1: b} if block1_init == "stitched" and lead == [a - 1] else {}
+        stitch = {a - 1: b} if (block1_init == "stitched" and lead == [a - 1]
+                                and (stitchable is None or stitchable(a - 1, b))) else {}
         # The module reproduces the dense model up to its last block; a module that is only
         # the block before the run (blocks=1) reproduces the run's output instead.
         target = layers[-1] if layers[-1] > b else b
@@ -219,15 +224,12 @@ def can_stitch(layers: nn.ModuleList, target: int, source: int) -> bool:
             and src.attention is not None and dst.mlp_attr == src.mlp_attr)
 
 
-def _stitch_block(layers: nn.ModuleList, target: int, source: int) -> bool:
-    """Give block ``target`` the MLP and block-level norms of block ``source`` (copies).
-
-    Returns False, changing nothing, where the blocks cannot be stitched
-    (:func:`can_stitch`): block 1 is then initialised ``retained``."""
+def _stitch_block(layers: nn.ModuleList, target: int, source: int) -> None:
+    """Give block ``target`` the MLP and block-level norms of block ``source`` (copies); the
+    plan asked for it, so the blocks must allow it (:func:`can_stitch`)."""
     if not can_stitch(layers, target, source):
-        log.info("block %d cannot take the feed-forward part of block %d (not both attention + MLP blocks): "
-                 "it is initialised 'retained'", target, source)
-        return False
+        raise OverRepError(f"the plan stitches block {target} from block {source}, which the model's blocks do not "
+                           "allow (plan with overrep.model.wrap.plan_recovery, which knows the blocks)")
     dst, src = block_parts(layers[target], target), block_parts(layers[source], source)
     setattr(layers[target], src.mlp_attr, copy.deepcopy(src.mlp))
     for name, (parent, attr) in src.norms.items():
@@ -236,7 +238,6 @@ def _stitch_block(layers: nn.ModuleList, target: int, source: int) -> bool:
         if name not in dst.norms:
             raise OverRepError(f"cannot stitch block {target} from block {source}: norm '{name}' missing")
         setattr(layers[target], attr, copy.deepcopy(getattr(parent, attr)))
-    return True
 
 
 # Config fields holding one entry per layer, besides any list of exactly num_hidden_layers.
@@ -306,9 +307,8 @@ def prune(model: nn.Module, plan: PrunePlan) -> nn.Module:
     if len(layers) != plan.num_layers:
         raise OverRepError(f"plan is for {plan.num_layers} blocks but the model has {len(layers)}")
     for g in plan.groups:
-        for target, source in list(g.stitch.items()):
-            if not _stitch_block(layers, target, source):
-                del g.stitch[target]  # the plan records what was done: block 1 retained
+        for target, source in g.stitch.items():
+            _stitch_block(layers, target, source)
     remove_layers(model, plan.removed)
     log.info("removed %d of %d blocks: %s", len(plan.removed), plan.num_layers, plan.removed)
     return model

@@ -14,6 +14,8 @@ frozen and takes W/D only on ``in_proj``, and only where a preset names ``in``
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 
@@ -24,7 +26,7 @@ from .presets import Preset
 from ..core.projection import MergeRefused, OvercompleteLinear, ReparamNorm
 from ..core.schedule import AlphaSchedule, AnnealedActivation
 from .mamba import MAMBA_PROJ
-from .surgery import PrunePlan, RecoveryGroup, plan_pruning
+from .surgery import PrunePlan, RecoveryGroup, can_stitch, plan_pruning
 from .width import PRUNED_SIDE, WidthPlan, patch_width_config, set_attention_groups
 from ..errors import OverRepError
 
@@ -59,9 +61,6 @@ class RecoveryModule(nn.Module):
                 h = out[0] if isinstance(out, tuple) else out
             h = h if self.norm is None else self.norm(h)
         return h.to(dtype)
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
 
 
 def _wrap_block(layer: nn.Module, index: int, spec, preset: Preset, act: AnnealedActivation,
@@ -114,11 +113,15 @@ def recoverable_blocks(model: nn.Module, preset: Preset) -> list[bool]:
 
 
 def plan_recovery(model: nn.Module, removed: list[int], preset: Preset, *, blocks: int | str = 2,
-                  block1_init: str = "stitched", final_block: bool = True) -> PrunePlan:
-    """:func:`~overrep.model.surgery.plan_pruning` for ``model``: each run's module holds
-    ``blocks`` blocks that ``preset`` can train (:func:`recoverable_blocks`)."""
-    return plan_pruning(len(decoder_layers(model)), removed, blocks=blocks, block1_init=block1_init,
-                        recoverable=recoverable_blocks(model, preset), final_block=final_block)
+                  block1_init: str = "stitched", final_block: bool = True, keep: Iterable[int] = ()) -> PrunePlan:
+    """:func:`~overrep.model.surgery.plan_pruning` for ``model``, final as made: each run's
+    module holds ``blocks`` blocks that ``preset`` can train (:func:`recoverable_blocks`), and
+    block 1 is stitched only where the blocks allow it (:func:`~overrep.model.surgery.can_stitch`)
+    and it is not in ``keep`` (blocks whose weights stay as they are, e.g. a block LaCo rewrote)."""
+    layers, keep = decoder_layers(model), set(keep)
+    return plan_pruning(len(layers), removed, blocks=blocks, block1_init=block1_init,
+                        recoverable=recoverable_blocks(model, preset), final_block=final_block,
+                        stitchable=lambda target, source: target not in keep and can_stitch(layers, target, source))
 
 
 def apply_preset(model: nn.Module, plan: PrunePlan | WidthPlan, preset: Preset,

@@ -3,18 +3,13 @@ the number of blocks and the calibration rows, and LaCo's search costs minutes."
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 from pathlib import Path
 
 import torch
 
-from ..atomic import save_torch
-from ..model.runtime import digest
+from ..memo import digest, memoised, tensor_digest
 from .criteria import Selection, get_criterion
-
-log = logging.getLogger(__name__)
 
 
 def cached_selection(name: str, model, n: int, calibration: torch.Tensor | None, *, model_fp: str,
@@ -22,17 +17,11 @@ def cached_selection(name: str, model, n: int, calibration: torch.Tensor | None,
     """``get_criterion(name)(model, n, calibration)``, reused from ``root/criteria`` when possible."""
     if calibration is None:
         return get_criterion(name)(model, n, None)
-    key = digest({"criterion": name, "n": n, "model": model_fp,
-                  "calibration": hashlib.sha256(calibration.cpu().numpy().tobytes()).hexdigest()})
-    path = root / "criteria" / f"{name}-{key}.pt"
-    if path.is_file():
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-            log.info("criterion %s: reusing %s", name, path)
-            return Selection(saved["removed"], saved["replaced"], json.loads(saved["scores"]))
-        except Exception:  # a torn or foreign file: recompute and replace it
-            log.warning("criterion cache %s is unreadable; recomputing", path)
-    selection = get_criterion(name)(model, n, calibration)
-    save_torch(path, {"removed": selection.removed, "replaced": selection.replaced,
-                      "scores": json.dumps(selection.scores)}, "the criterion cache")
-    return selection
+    key = digest({"criterion": name, "n": n, "model": model_fp, "calibration": tensor_digest(calibration)})
+
+    def select() -> dict:
+        s = get_criterion(name)(model, n, calibration)
+        return {"removed": s.removed, "replaced": s.replaced, "scores": json.dumps(s.scores)}
+
+    saved, _ = memoised(root / "criteria" / f"{name}-{key}.pt", select, f"criterion {name}")
+    return Selection(saved["removed"], saved["replaced"], json.loads(saved["scores"]))

@@ -1,8 +1,8 @@
-"""Recovery training: objectives (losses), the trainer, the epoch sampler and the recovery methods (METHODS).
+"""Recovery training: the configuration (:mod:`.config`), objectives and losses, the trainer,
+the epoch sampler and the recovery methods (:data:`.methods.METHODS`).
 
-The package also re-exports the recovery wrap/merge and forward hooks it used to hold as one
-module, so ``from overrep.recovery import teacher_features`` (the README's library example)
-still works; they live in :mod:`overrep.model.wrap` and :mod:`overrep.model.hooks`.
+The package also exports the recovery wrap/merge and the forward hooks, which live in
+:mod:`overrep.model.wrap` and :mod:`overrep.model.hooks`.
 """
 
 from ..model.hooks import capture_layer_context, module_context, teacher_features

@@ -3,10 +3,12 @@
 Every layer-wise method (OverRep, Plain, Streamline) trains its recovery modules on the
 same teacher features; ``recovery.loss`` chooses how a module's output ``ĥ`` is compared
 with the dense model's hidden state ``h`` at the same point. :data:`LOSSES` is the one
-registry (the CLI help, the config validation and ``overrep methods`` read it).
+registry (the CLI help, the config validation, ``overrep methods`` and the
+:class:`~overrep.recovery.objectives.Layerwise` objective read it): a :class:`Loss` entry
+says what it computes per batch and what it prepares once per run, so a new loss is one
+entry at the end of this file.
 
-* ``mse`` -- mean squared error on the raw hidden state (the paper's objective,
-  bit-identical to the project's original ``LayerwiseMSE``; ``--loss mse`` reproduces it).
+* ``mse`` -- mean squared error on the raw hidden state (the paper's objective).
 * ``normed`` -- the comparison the next block actually sees: both states RMS-normalised,
   weighted per channel by the downstream norm's gain γ (the input norm of the dense
   block the target feeds, or the final norm), plus ``λ·(log rms ĥ − log rms h)²`` to keep
@@ -31,36 +33,20 @@ registry (the CLI help, the config validation and ``overrep methods`` read it).
 
 from __future__ import annotations
 
-import hashlib
-import logging
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..atomic import save_torch
 from ..errors import OverRepError
+from ..memo import digest, memoised
+from ..registry import Registry
 from ..core.precision import autocast
 from ..model.arch import decoder_layers, final_norm, input_norm
 from ..model.placement import execution_device, input_device
-
-log = logging.getLogger(__name__)
-
-LOSSES: dict[str, str] = {
-    "mse": "raw hidden-state MSE (the paper's objective)",
-    "normed": "RMS-normalised MSE weighted by the downstream norm's gain + lambda * log-RMS term",
-    "fisher": "MSE weighted per channel by the dense model's diagonal Fisher (cached)",
-    "logit": "centred-logit MSE through the LM head's Gram matrix (modules ending at the final norm)",
-    "kl-topk": "KL to the dense model's cached top-K logits, through the remaining frozen blocks",
-}
-
-
-def module_phases(spec: str, final_norm: bool) -> list[str]:
-    """The phases one module trains with (the same for every module today; the module's
-    place, ``final_norm``, is where a per-module rule would go)."""
-    return parse_loss(spec)
-
 
 def parse_loss(spec: str) -> list[str]:
     """``"normed>kl-topk"`` -> ``["normed", "kl-topk"]``; one-line error on an unknown name."""
@@ -72,8 +58,27 @@ def parse_loss(spec: str) -> list[str]:
     return parts
 
 
+@dataclass
+class LossOptions:
+    """``recovery`` options of the methods trained on a layer-wise loss."""
+
+    loss: str = "normed"  # overrep / plain / streamline: layer-wise loss, mse (the paper's) | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`; docs/losses.md)
+    loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term
+    loss_switch: float = 0.5  # A>B losses: fraction of the steps after which B replaces A
+    loss_topk: int = 64  # kl-topk: teacher log-probabilities cached per token
+    loss_topk_rest: bool = True  # kl-topk: add one bucket for all tokens outside the top-K (else renormalise on it)
+    fisher_sequences: int = 32  # fisher: training rows the diagonal Fisher is estimated on
+
+    def check_loss(self) -> None:
+        parse_loss(self.loss)
+        if (self.loss_lambda < 0 or not 0 <= self.loss_switch <= 1 or self.loss_topk < 1
+                or self.fisher_sequences < 1):
+            raise OverRepError("recovery.loss_lambda must be >= 0, loss_switch in [0, 1], loss_topk and "
+                               "fisher_sequences >= 1")
+
+
 def loss_help() -> str:
-    return "; ".join(f"{k}: {v}" for k, v in LOSSES.items())
+    return "; ".join(f"{k}: {v.description}" for k, v in LOSSES.items())
 
 
 # ---- per-module constants ----------------------------------------------------------
@@ -113,17 +118,7 @@ def centred_gram(model: nn.Module) -> torch.Tensor:
 
 
 def _cache_file(root: Path, kind: str, key: dict) -> Path:
-    digest = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:16]
-    return root / "features" / f"{kind}-{digest}.pt"
-
-
-def _load(path: Path):
-    if path.is_file():
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception:  # torn or foreign: recompute
-            log.warning("loss cache %s is unreadable; recomputing", path)
-    return None
+    return root / "features" / f"{kind}-{digest(key)}.pt"
 
 
 def fisher_diagonal(dense: nn.Module, ids: torch.Tensor, groups, batch: int = 8) -> list[torch.Tensor]:
@@ -175,14 +170,10 @@ def cached_fisher(teacher, rows: int) -> list[torch.Tensor]:
     n = min(rows, teacher.train_ids.shape[0])
     path = _cache_file(teacher.cache_root, "fisher",
                        {**{k: str(v) for k, v in teacher.fingerprint.items()}, "rows": n})
-    with teacher.world.main_first():  # several ranks: rank 0 computes it, the others read it back
-        got = _load(path)
-        if got is not None and len(got) == len(teacher.plan.groups):
-            log.info("fisher: reusing %s", path)
-            return list(got)
-        weights = fisher_diagonal(teacher.dense, teacher.train_ids[:n], teacher.plan.groups)
-        save_torch(path, weights, "the Fisher cache")
-        return weights
+    weights, _ = memoised(path, lambda: fisher_diagonal(teacher.dense, teacher.train_ids[:n], teacher.plan.groups),
+                          "the Fisher cache", valid=lambda got: len(got) == len(teacher.plan.groups),
+                          world=teacher.world)  # several ranks: rank 0 computes it, the others read it back
+    return list(weights)
 
 
 @torch.no_grad()
@@ -207,14 +198,13 @@ def cached_topk(teacher, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     path = _cache_file(teacher.cache_root, "topk", {"model": fp["model"], "data": str(fp["data"]),
                                                     "seq_len": fp["seq_len"], "dtype": fp["model_dtype"], "k": k,
                                                     "rows": teacher.train_ids.shape[0], "values": "log-probabilities"})
-    with teacher.world.main_first():
-        got = _load(path)
-        if got is not None:
-            log.info("top-%d logits: reusing %s", k, path)
-            return got["values"], got["indices"]
+
+    def topk() -> dict:
         values, indices = teacher_topk(teacher.dense, teacher.train_ids, k)
-        save_torch(path, {"values": values, "indices": indices}, "the top-k cache")
-        return values, indices
+        return {"values": values, "indices": indices}
+
+    got, _ = memoised(path, topk, f"the top-{k} cache", world=teacher.world)
+    return got["values"], got["indices"]
 
 
 # ---- the rest of the model after a module (kl-topk) --------------------------------
@@ -291,6 +281,115 @@ def topk_kl(logits: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, r
     return (kl_support + kl_rest).mean()
 
 
-__all__ = ["LOSSES", "parse_loss", "loss_help", "normed_loss", "weighted_mse", "logit_loss", "topk_kl",
+# ---- the registry --------------------------------------------------------------------
+@dataclass
+class LossSetup:
+    """What a loss may read when it prepares, once per run: the dense model, the model the
+    recovery modules sit in, the modules and their plan groups, the teacher (features, its
+    cache root and rows), the full layer context, the held-out rows and the options."""
+
+    dense: nn.Module
+    model: nn.Module
+    modules: list
+    groups: list
+    teacher: object
+    full_context: list[dict]
+    heldout_ids: torch.Tensor
+    options: LossOptions
+
+
+def _none(setup: LossSetup) -> list[dict]:
+    return [{} for _ in setup.modules]
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One layer-wise loss. ``compute(pred, feats, aux, options)``: the loss of a module's
+    output ``pred`` [B, T, H] against its features ``feats`` (``targets`` [B, T, H] and any
+    row extras) with its constants ``aux``. ``prepare(setup)``: those constants, one dict per
+    module, computed once. ``rows(setup)``: per-row extras the batches carry (for the
+    training rows and for the validation probe's rows), or None."""
+
+    name: str
+    description: str
+    compute: Callable[..., torch.Tensor]
+    prepare: Callable[[LossSetup], list[dict]] = _none
+    rows: Callable[[LossSetup], tuple[dict, dict]] | None = field(default=None)
+
+
+def _target(pred: torch.Tensor, feats: dict) -> torch.Tensor:
+    return feats["targets"].to(pred.device).float()
+
+
+def _mse(pred, feats, aux, options):
+    return F.mse_loss(pred.float(), _target(pred, feats))
+
+
+def _normed(pred, feats, aux, options):
+    if "gain" not in aux:  # the module owns the final norm: its output is already γ ⊙ x / rms(x)
+        return _mse(pred, feats, aux, options)
+    return normed_loss(pred.float(), _target(pred, feats), aux["gain"], options.loss_lambda)
+
+
+def _normed_prepare(setup: LossSetup) -> list[dict]:
+    return [{} if g.final_norm else {"gain": downstream_gain(setup.dense, g).to(_device(m))}
+            for m, g in zip(setup.modules, setup.groups)]
+
+
+def _fisher_prepare(setup: LossSetup) -> list[dict]:
+    fisher = cached_fisher(setup.teacher, setup.options.fisher_sequences)
+    return [{"fisher": f.to(_device(m))} for m, f in zip(setup.modules, fisher)]
+
+
+def _logit_prepare(setup: LossSetup) -> list[dict]:
+    gram = centred_gram(setup.dense)
+    for g in setup.groups:
+        if not g.final_norm:
+            raise OverRepError(f"recovery.loss 'logit' needs a module that ends at the final norm; the module ending "
+                               f"at block {g.target_layer} does not (use normed, fisher or kl-topk, or "
+                               "recovery.final_block: true where the run ends before the final block)")
+    return [{"gram": gram.to(_device(m))} for m in setup.modules]
+
+
+def _kl_topk(pred, feats, aux, options):
+    return topk_kl(aux["tail"](pred), feats["topk_values"].to(pred.device), feats["topk_indices"].to(pred.device),
+                   rest=options.loss_topk_rest)
+
+
+def _kl_topk_rows(setup: LossSetup) -> tuple[dict, dict]:
+    from .teacher import PROBE_ROWS
+
+    k, teacher = setup.options.loss_topk, setup.teacher
+    if teacher.mode == "probe":  # timing only: the probe rows' top-k, cycled like their features
+        values, indices = teacher_topk(setup.dense, teacher.train_ids[:PROBE_ROWS], k)
+    else:
+        values, indices = cached_topk(teacher, k)
+    v, i = teacher_topk(setup.dense, setup.heldout_ids, k)
+    return {"topk_values": values, "topk_indices": indices}, {"topk_values": v, "topk_indices": i}
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+#: Every layer-wise loss (``recovery.loss``; two joined as ``A>B``).
+LOSSES: Registry[Loss] = Registry("layer-wise loss")
+for _loss in [
+    Loss("mse", "raw hidden-state MSE (the paper's objective)", _mse),
+    Loss("normed", "RMS-normalised MSE weighted by the downstream norm's gain + lambda * log-RMS term", _normed,
+         _normed_prepare),
+    Loss("fisher", "MSE weighted per channel by the dense model's diagonal Fisher (cached)",
+         lambda pred, feats, aux, options: weighted_mse(pred.float(), _target(pred, feats), aux["fisher"]),
+         _fisher_prepare),
+    Loss("logit", "centred-logit MSE through the LM head's Gram matrix (modules ending at the final norm)",
+         lambda pred, feats, aux, options: logit_loss(pred.float(), _target(pred, feats), aux["gram"]),
+         _logit_prepare),
+    Loss("kl-topk", "KL to the dense model's cached top-K logits, through the remaining frozen blocks", _kl_topk,
+         lambda setup: [{"tail": Tail(setup.model, m, setup.full_context)} for m in setup.modules], _kl_topk_rows),
+]:
+    LOSSES.register(_loss)
+
+
+__all__ = ["LOSSES", "Loss", "LossSetup", "LossOptions", "parse_loss", "loss_help", "normed_loss", "weighted_mse", "logit_loss", "topk_kl",
            "centred_gram", "downstream_gain", "norm_gain", "fisher_diagonal", "cached_fisher", "teacher_topk",
            "cached_topk", "Tail"]

@@ -25,6 +25,7 @@ from torch import nn
 from ..core.experts import is_fused_experts
 from ..core.precision import autocast
 from ..core.projection import OvercompleteLinear
+from .losses import LOSSES, LossOptions, parse_loss
 
 # indices -> per module {"inputs": [B,T,H], "targets": [B,T,H]}
 BatchSource = Callable[[list[int]], list[dict]]
@@ -101,10 +102,10 @@ def unique_trainable(modules) -> list[nn.Parameter]:
 class Layerwise(Objective):
     """OverRep's objective: each recovery module reproduces the dense segment's output.
 
-    ``loss`` names the comparison (:mod:`overrep.recovery.losses`; ``mse`` is the paper's), or two
-    joined as ``"A>B"``: A until ``switch`` (fraction of ``total_steps``), then B.
-    ``aux[i]`` holds module i's constants: ``gain`` (normed), ``fisher``, ``gram`` (logit),
-    ``tail`` (kl-topk); a batch dict may carry ``topk_values`` / ``topk_indices``.
+    ``loss`` names the comparison (an entry of :data:`overrep.recovery.losses.LOSSES`; ``mse``
+    is the paper's), or two joined as ``"A>B"``: A until ``switch`` (fraction of
+    ``total_steps``), then B. ``aux[i]`` holds module i's constants (what the losses
+    prepared); a batch dict may carry per-row extras (a loss's ``rows``).
     ``ppl_model`` / ``ppl_ids``: the pruned model (modules in place) and held-out rows for
     :meth:`validation_ppl`.
     """
@@ -113,25 +114,22 @@ class Layerwise(Objective):
                  val_batch: list[dict] | None = None, loss: str = "mse", aux: list[dict] | None = None,
                  lam: float = 0.1, switch: float = 0.5, total_steps: int = 1, ppl_model=None, ppl_ids=None,
                  topk_rest: bool = False):
-        from .losses import module_phases
-
         self.modules, self.contexts, self.source, self.val_batch = modules, contexts, source, val_batch
         self.activations = [m.activation for m in modules]
-        self.phases = [module_phases(loss, m.norm is not None) for m in modules]
+        self.phases = parse_loss(loss)
+        self.options = LossOptions(loss=loss, loss_lambda=lam, loss_switch=switch, loss_topk_rest=topk_rest)
         self.aux = aux or [{} for _ in modules]
-        self.lam, self.switch = lam, switch
+        self.switch = switch
         self.set_total_steps(total_steps)
         self.ppl_model, self.ppl_ids = ppl_model, ppl_ids
-        self.topk_rest = topk_rest
         self.step = 0
 
     def set_total_steps(self, total: int) -> None:
         self.switch_step = int(round(self.switch * total))
 
-    def current(self, i: int) -> str:
-        """The loss module ``i`` trains with now."""
-        phases = self.phases[i]
-        return phases[-1] if len(phases) > 1 and self.step >= self.switch_step else phases[0]
+    def current(self) -> str:
+        """The loss the modules train with now."""
+        return self.phases[-1] if len(self.phases) > 1 and self.step >= self.switch_step else self.phases[0]
 
     def parameters(self):
         return unique_trainable(self.modules)
@@ -139,32 +137,13 @@ class Layerwise(Objective):
     def decayed_ids(self):
         return set().union(*(pretrained_matrix_ids(m) for m in self.modules))
 
-    def module_loss(self, name: str, pred: torch.Tensor, feats: dict, aux: dict) -> torch.Tensor:
-        from . import losses
-
-        target = feats["targets"].to(pred.device)
-        if name == "mse":
-            return F.mse_loss(pred.float(), target.float())
-        if name == "normed":
-            if "gain" not in aux:  # the module owns the final norm: its output is already γ ⊙ x / rms(x)
-                return F.mse_loss(pred.float(), target.float())
-            return losses.normed_loss(pred.float(), target.float(), aux["gain"], self.lam)
-        if name == "fisher":
-            return losses.weighted_mse(pred.float(), target.float(), aux["fisher"])
-        if name == "logit":
-            return losses.logit_loss(pred.float(), target.float(), aux["gram"])
-        if name == "kl-topk":
-            logits = aux["tail"](pred)
-            return losses.topk_kl(logits, feats["topk_values"].to(pred.device), feats["topk_indices"].to(pred.device),
-                                  rest=self.topk_rest)
-        raise AssertionError(name)
-
     def batch_loss(self, batch: list[dict]) -> torch.Tensor:
+        loss = LOSSES[self.current()]
         losses = []
-        for i, (m, ctx, feats, aux) in enumerate(zip(self.modules, self.contexts, batch, self.aux)):
+        for m, ctx, feats, aux in zip(self.modules, self.contexts, batch, self.aux):
             p = next(m.parameters())
             pred = m(feats["inputs"].to(p.device, p.dtype), ctx)
-            losses.append(self.module_loss(self.current(i), pred, feats, aux))
+            losses.append(loss.compute(pred, feats, aux, self.options))
         return torch.stack(losses).mean()
 
     def loss(self, idx):
@@ -203,9 +182,6 @@ class Layerwise(Objective):
     def train(self, mode=True):
         for m in self.modules:
             m.train(mode)
-
-
-LayerwiseMSE = Layerwise  # the name before recovery.loss existed
 
 
 class _WholeModel(Objective):

@@ -32,7 +32,6 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -44,15 +43,13 @@ from .sampler import epoch_batches
 from ..distributed import SINGLE, World
 from ..errors import OverRepError
 from .objectives import Objective
+from .options import TrainingOptions
 from ..core.schedule import AlphaSchedule
-
-if TYPE_CHECKING:  # the config is typed here, built in the app layer
-    from ..app.config import RecoveryConfig
 
 log = logging.getLogger(__name__)
 
 
-def make_optimizer(objective: Objective, cfg: RecoveryConfig) -> torch.optim.AdamW:
+def make_optimizer(objective: Objective, cfg: TrainingOptions) -> torch.optim.AdamW:
     params = objective.parameters()
     if not params:
         raise OverRepError("the recovery method has no trainable parameters (check the preset)")
@@ -107,7 +104,7 @@ class TrainResult:
 class Trainer:
     """Optimises ``objective`` for ``total_steps`` steps; checkpoints into ``ckpt_dir``."""
 
-    def __init__(self, objective: Objective, num_samples: int, cfg: RecoveryConfig, total_steps: int,
+    def __init__(self, objective: Objective, num_samples: int, cfg: TrainingOptions, total_steps: int,
                  ckpt_dir: Path, tokens_per_sample: int = 0, fingerprint: str = "", progress: bool = True,
                  world: World = SINGLE):
         world.check_divides(cfg.batch_size, "recovery.batch_size")

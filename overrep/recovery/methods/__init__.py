@@ -39,37 +39,47 @@ original inserts an extra layer).
 from __future__ import annotations
 
 from ...registry import Registry
+from ..losses import LossOptions
 from ..teacher import MethodInputs
-from .adapters import AdapterRun, iso_rank, lora_params_per_rank, projection_names
+from .adapters import AdaLoraRun, AdapterRun, IsoLoraRun, LoraOptions, iso_rank, lora_params_per_rank, projection_names
 from .base import Method, MethodRun
 from .layerwise import LayerwiseRun
-from .rankadaptor import RankAdaptorRun, check_config as check_rankadaptor_config
-from .restorelcc import RestoreLCCRun
-from .whole_model import FullRun, OvercompleteKDRun
+from .rankadaptor import RankAdaptorOptions, RankAdaptorRun
+from .restorelcc import RestoreLCCOptions, RestoreLCCRun
+from .whole_model import FullRun, KDOptions, OvercompleteKDRun
+
+_LAYERWISE = dict(run=LayerwiseRun, objective="layerwise", default_lr=1e-3, family="layerwise", options=(LossOptions,),
+                  needs_features=True, shardable=True)
+_ADAPTER = dict(objective="lm", default_lr=1e-3, family="adapter", options=(LoraOptions,), planned_account=False)
 
 #: Every recovery method: registering a Method here is the one edit that makes it known
 #: (``recovery.method`` validation, ``overrep methods``, ``overrep compare``).
 METHODS: Registry[Method] = Registry("recovery method")
 for _m in [
     Method("overrep", "OverRep: overcomplete recovery blocks, layer-wise loss (recovery.loss), folded back exactly",
-           "layerwise", "mse", 1e-3),
-    Method("plain", "the same recovery blocks and layer-wise loss without W, D or annealing", "layerwise", "mse",
-           1e-3, preset="plain"),
-    Method("streamline", "Streamline: one block (all weights) trained to replace the removed run",
-           "layerwise", "mse", 1e-3, preset="plain-full", blocks=1),
-    Method("lora", "PEFT LoRA on all projections, language-model loss, merged", "adapter", "lm", 1e-3),
-    Method("adalora", "PEFT AdaLoRA, rank re-allocated every step, language-model loss, merged",
-           "adapter", "lm", 1e-3),
-    Method("lora-iso", "LoRA with the rank that matches OverRep's trainable parameters", "adapter", "lm", 1e-3),
+           **_LAYERWISE, width_lr=1e-4),
+    Method("plain", "the same recovery blocks and layer-wise loss without W, D or annealing", **_LAYERWISE,
+           preset="plain"),
+    Method("streamline", "Streamline: one block (all weights) trained to replace the removed run", **_LAYERWISE,
+           preset="plain-full", blocks=1, block_removal_only="it replaces a removed run of blocks"),
+    Method("lora", "PEFT LoRA on all projections, language-model loss, merged", run=AdapterRun, **_ADAPTER),
+    Method("adalora", "PEFT AdaLoRA, rank re-allocated every step, language-model loss, merged", run=AdaLoraRun,
+           **_ADAPTER),
+    Method("lora-iso", "LoRA with the rank that matches OverRep's trainable parameters", run=IsoLoraRun, **_ADAPTER,
+           block_removal_only="its rank matches OverRep's recovery blocks on removed runs"),
     Method("rankadaptor", "RankAdaptor: LoRA with per-block ranks (mean lora_rank) chosen by a performance-model "
-           "search over short probe fine-tunes, language-model loss, merged", "adapter", "lm", 1e-3),
-    Method("full-ft", "full fine-tuning of every retained block, language-model loss", "full", "lm", 1e-4),
-    Method("logit-kd", "every retained block trained on forward KL to the dense model's logits (tau=1)",
-           "full", "kd", 1e-4),
-    Method("overrep-kd", "OverRep's parameterisation trained with the logit-KD objective",
-           "overcomplete-kd", "kd", 1e-3),
+           "search over short probe fine-tunes, language-model loss, merged", run=RankAdaptorRun,
+           **{**_ADAPTER, "options": (LoraOptions, RankAdaptorOptions)}),
+    Method("full-ft", "full fine-tuning of every retained block, language-model loss", FullRun, "lm", 1e-4, "full",
+           planned_account=False),
+    Method("logit-kd", "every retained block trained on forward KL to the dense model's logits (tau=1)", FullRun,
+           "kd", 1e-4, "full", options=(KDOptions,), planned_account=False),
+    Method("overrep-kd", "OverRep's parameterisation trained with the logit-KD objective", OvercompleteKDRun, "kd",
+           1e-3, "overcomplete-kd", options=(KDOptions,)),
     Method("restorelcc", "RestoreLCC: lost-component vectors on the attention heads a probe found pruning hurt most, "
-           "language-model loss, merged as an o_proj bias", "lost-components", "lm", 1e-3),
+           "language-model loss, merged as an o_proj bias", RestoreLCCRun, "lm", 1e-3, "lost-components",
+           options=(RestoreLCCOptions,),
+           block_removal_only="it pairs each retained block with the same dense block"),
 ]:
     METHODS.register(_m)
 
@@ -78,22 +88,12 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-
-
-#: The class that sets up each family of methods ...
-FAMILIES = {"layerwise": LayerwiseRun, "adapter": AdapterRun, "full": FullRun, "overcomplete-kd": OvercompleteKDRun,
-            "lost-components": RestoreLCCRun}
-#: ... and the methods that extend their family's class (an adapter whose ranks a search chooses first).
-RUN_CLASSES = {"rankadaptor": RankAdaptorRun}
-
-
 def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = True) -> MethodRun:
     """``method`` set up on ``inputs`` (``with_data=False``: without the preparation that needs
     training data and is not cached, e.g. a layer-wise method's feature cache, for ``overrep
     plan`` and re-exporting from checkpoints)."""
-    cls = RUN_CLASSES.get(method.name) or FAMILIES[method.family]
-    return cls(inputs, method, with_data=with_data)
+    return method.run(inputs, method, with_data=with_data)
 
 
-__all__ = ["METHODS", "FAMILIES", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery",
-           "iso_rank", "lora_params_per_rank", "projection_names", "check_rankadaptor_config"]
+__all__ = ["METHODS", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery",
+           "iso_rank", "lora_params_per_rank", "projection_names"]

@@ -10,6 +10,8 @@ OverRep's on the same plan.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -19,6 +21,19 @@ from ...model.arch import block_parts, decoder_layers
 from ..objectives import LanguageModeling
 from ..teacher import MethodInputs
 from .base import Method, MethodRun, check_fold, logits_of
+
+
+@dataclass
+class LoraOptions:
+    """``recovery`` options of the PEFT adapters (lora, adalora, lora-iso, rankadaptor)."""
+
+    lora_rank: int = 16  # lora / adalora: rank r (adalora starts at 2r and allocates down to an average of r)
+    lora_alpha: float = 32.0  # lora / adalora: scaling alpha (lora-iso keeps alpha / r)
+    lora_dropout: float = 0.05  # lora / adalora: dropout on the adapter input
+
+    def check_lora(self) -> None:
+        if self.lora_rank < 1:
+            raise OverRepError(f"recovery.lora_rank must be >= 1, got {self.lora_rank}")
 
 
 def projections_by_block(model: nn.Module) -> list[list[str]]:
@@ -94,46 +109,36 @@ class AdaLoraLanguageModeling(LanguageModeling):
 class AdapterRun(MethodRun):
     """A PEFT adapter on every projection of every retained block, merged at the end."""
 
+    #: the language-model objective that trains the adapters
+    objective_class = LanguageModeling
+
     def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
         super().__init__(inputs, method, with_data=with_data)
-        from peft import AdaLoraConfig, get_peft_model
+        from peft import get_peft_model
 
         r = inputs.config
         model = inputs.pruned
         targets = projection_names(model)
-        rank, alpha = r.lora_rank, r.lora_alpha
-        if method.name == "lora-iso":
-            target = recovery_account(inputs.dense.config, inputs.plan.removed, r.preset, blocks=r.blocks,
-                                      block1_init=r.block1_init, final_block=r.final_block)["trainable_params"]
-            rank = iso_rank(model, target)
-            alpha = rank * r.lora_alpha / r.lora_rank  # keep LoRA's scaling alpha / r
-            self.iso_target = target
-        if method.name == "adalora":
-            total = inputs.total_steps
-            tinit, tfinal = int(0.1 * total), int(0.3 * total)
-            if tinit >= total - tfinal:
-                raise OverRepError(f"AdaLoRA needs more optimiser steps to allocate ranks (got {total})")
-            config = AdaLoraConfig(init_r=2 * rank, target_r=rank, lora_alpha=alpha, lora_dropout=r.lora_dropout,
-                                   target_modules=targets, tinit=tinit, tfinal=tfinal, deltaT=1,
-                                   total_step=total, task_type="CAUSAL_LM")
-        else:
-            config = self.lora_config(targets, rank, alpha)
-        self.rank, self.alpha = rank, alpha
-        self.peft_model = get_peft_model(model, config)
+        self.rank, self.alpha = self.rank_and_alpha(r.lora_rank, r.lora_alpha)
+        self.peft_model = get_peft_model(model, self.adapter_config(targets, self.rank, self.alpha))
         # adapters start at (or near) zero: no weight decay
-        objective = AdaLoraLanguageModeling if method.name == "adalora" else LanguageModeling
-        self.objective = objective(self.peft_model, inputs.train_ids, inputs.val_ids, decayed=set(),
-                                   precision=r.precision)
+        self.objective = self.objective_class(self.peft_model, inputs.train_ids, inputs.val_ids, decayed=set(),
+                                              precision=r.precision)
+
+    def rank_and_alpha(self, rank: int, alpha: float) -> tuple[int, float]:
+        """The rank and scaling the adapters get (``recovery.lora_rank`` / ``lora_alpha``)."""
+        return rank, alpha
+
+    def adapter_config(self, targets: list[str], rank: int, alpha: float):
+        """PEFT's configuration of the adapters on ``targets``."""
+        return self.lora_config(targets, rank, alpha)
 
     def lora_config(self, targets: list[str], rank: int, alpha: float):
         """The LoraConfig of ``lora`` and ``lora-iso`` (a subclass may give projections ranks of their own)."""
         return lora_config(self.inputs.config, targets, rank, alpha)
 
     def ranks(self) -> dict[str, int]:
-        """Current rank of every adapted projection (AdaLoRA: after allocation)."""
-        pattern = getattr(self.peft_model.peft_config["default"], "rank_pattern", None)
-        if self.method.name == "adalora" and pattern:
-            return {k: int(sum(v)) for k, v in pattern.items()}
+        """Current rank of every adapted projection where an allocation changes it (AdaLoRA)."""
         return {}
 
     def finish(self) -> dict:
@@ -176,3 +181,36 @@ class AdapterRun(MethodRun):
         if hasattr(self, "iso_target"):
             d["iso_target_params"] = self.iso_target
         return d
+
+
+class IsoLoraRun(AdapterRun):
+    """LoRA whose rank gives it OverRep's trainable parameter count on the same plan."""
+
+    def rank_and_alpha(self, rank: int, alpha: float) -> tuple[int, float]:
+        r = self.inputs.config
+        target = recovery_account(self.inputs.dense.config, self.inputs.plan.removed, r.preset, blocks=r.blocks,
+                                  block1_init=r.block1_init, final_block=r.final_block)["trainable_params"]
+        self.iso_target = target
+        iso = iso_rank(self.inputs.pruned, target)
+        return iso, iso * alpha / rank  # keep LoRA's scaling alpha / r
+
+
+class AdaLoraRun(AdapterRun):
+    """AdaLoRA: starts at rank 2r, allocated down to an average of r after every step."""
+
+    objective_class = AdaLoraLanguageModeling
+
+    def adapter_config(self, targets: list[str], rank: int, alpha: float):
+        from peft import AdaLoraConfig
+
+        total = self.inputs.total_steps
+        tinit, tfinal = int(0.1 * total), int(0.3 * total)
+        if tinit >= total - tfinal:
+            raise OverRepError(f"AdaLoRA needs more optimiser steps to allocate ranks (got {total})")
+        return AdaLoraConfig(init_r=2 * rank, target_r=rank, lora_alpha=alpha,
+                             lora_dropout=self.inputs.config.lora_dropout, target_modules=targets, tinit=tinit,
+                             tfinal=tfinal, deltaT=1, total_step=total, task_type="CAUSAL_LM")
+
+    def ranks(self) -> dict[str, int]:
+        pattern = getattr(self.peft_model.peft_config["default"], "rank_pattern", None)
+        return {k: int(sum(v)) for k, v in pattern.items()} if pattern else {}

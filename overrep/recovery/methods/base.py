@@ -18,13 +18,27 @@ from ..teacher import MethodInputs
 
 @dataclass(frozen=True)
 class Method:
+    """One recovery method: everything the rest of the code asks about it.
+
+    The pipeline builds ``run(inputs, method)`` and asks the flags below, never the name;
+    the options ``run`` reads beyond :class:`~overrep.recovery.options.TrainingOptions`
+    are the dataclasses of ``options`` (composed into
+    :class:`~overrep.recovery.config.RecoveryConfig`)."""
+
     name: str
     description: str
-    family: str  # "layerwise" (cached features) | "adapter" (PEFT) | "full" (whole blocks) | "overcomplete-kd"
-    objective: str  # "mse" | "lm" | "kd"
+    run: type  # the MethodRun subclass that sets the method up on one pruned model
+    objective: str  # "layerwise" (recovery.loss on teacher features) | "lm" (next-token loss) | "kd" (KL to dense logits)
     default_lr: float
+    family: str  # what trains, in the provenance: "layerwise" | "adapter" | "full" | "overcomplete-kd" | "lost-components"
+    options: tuple = ()  # the options dataclasses it reads (their fields are its recovery.* keys)
     preset: str | None = None  # forced preset (None: recovery.preset)
     blocks: int | None = None  # forced recovery blocks per run (None: recovery.blocks)
+    needs_features: bool = False  # trains on the teacher's features: a time budget sizes their disk cache
+    shardable: bool = False  # recovery.shard: fsdp can shard what trains (recovery modules)
+    block_removal_only: str | None = None  # why it cannot recover a width-pruned model (None: it can)
+    width_lr: float | None = None  # its default learning rate on a width-pruned model (None: default_lr)
+    planned_account: bool = True  # `overrep inspect` counts what trains from the plan (False: builds the method)
 
 
 @torch.no_grad()

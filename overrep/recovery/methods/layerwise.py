@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import OverRepError
 from ...model.hooks import capture_layer_context, module_context
 from ...model.presets import get_preset
 from ...model.wrap import apply_preset, merge_recovery
-from ..losses import Tail, cached_fisher, cached_topk, centred_gram, downstream_gain, module_phases, teacher_topk
+from ..losses import LOSSES, LossSetup, parse_loss
 from ..objectives import Layerwise
-from ..teacher import PROBE_ROWS, MethodInputs
+from ..teacher import MethodInputs
 from .base import Method, MethodRun, at_last_trained_step, check_fold
 
 
@@ -36,47 +35,25 @@ class LayerwiseRun(MethodRun):
         self.contexts = [module_context(full_ctx, m) for m in self.modules]
         self.val_probe = teacher.batch(inputs.heldout_ids[:16])
         self.loss = r.loss
-        per_module = [module_phases(r.loss, g.final_norm) for g in plan.groups]
-        phases = sorted({p for ph in per_module for p in ph})
-        aux = self.loss_constants(per_module, full_ctx) if with_data else None
+        losses = [LOSSES[name] for name in parse_loss(r.loss)]
+        setup = LossSetup(inputs.dense, model, self.modules, plan.groups, teacher, full_ctx, inputs.heldout_ids[:16], r)
+        aux = None
+        if with_data:  # each loss's constants, prepared once (the phases of A>B: both)
+            aux = [{} for _ in self.modules]
+            for loss in losses:
+                for mine, more in zip(aux, loss.prepare(setup)):
+                    mine.update(more)
         source = teacher.features() if with_data else None
-        if with_data and "kl-topk" in phases:
-            if teacher.mode == "probe":  # timing only: the probe rows' top-k, cycled like their features
-                values, indices = teacher_topk(inputs.dense, teacher.train_ids[:PROBE_ROWS], r.loss_topk)
-            else:
-                values, indices = cached_topk(teacher, r.loss_topk)
-            source = _with_topk(source, values, indices)
-            v, i = teacher_topk(inputs.dense, inputs.heldout_ids[:16], r.loss_topk)
-            self.val_probe = [{**f, "topk_values": v, "topk_indices": i} for f in self.val_probe]
+        for loss in losses if with_data else ():
+            if loss.rows is not None:  # per-row extras the batches carry (kl-topk: the teacher's top-k)
+                train_rows, val_rows = loss.rows(setup)
+                source = _with_rows(source, train_rows)
+                self.val_probe = [{**f, **val_rows} for f in self.val_probe]
         self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, loss=r.loss, aux=aux,
                                    lam=r.loss_lambda, switch=r.loss_switch, total_steps=inputs.total_steps,
                                    ppl_model=model if inputs.val_ids is not None else None,
                                    ppl_ids=inputs.val_ids,
                                    topk_rest=r.loss_topk_rest)
-
-    def loss_constants(self, per_module: list[list[str]], full_ctx: list[dict]) -> list[dict]:
-        """Per module, what its loss needs besides the features (see :mod:`overrep.recovery.losses`)."""
-        inputs = self.inputs
-        aux: list[dict] = [{} for _ in self.modules]
-        every = {p for ph in per_module for p in ph}
-        fisher = cached_fisher(inputs.teacher, inputs.config.fisher_sequences) if "fisher" in every else None
-        gram = centred_gram(inputs.dense) if "logit" in every else None
-        for i, (m, g, phases) in enumerate(zip(self.modules, inputs.plan.groups, per_module)):
-            device = next(m.parameters()).device
-            if "normed" in phases and not g.final_norm:
-                aux[i]["gain"] = downstream_gain(inputs.dense, g).to(device)
-            if "fisher" in phases:
-                aux[i]["fisher"] = fisher[i].to(device)
-            if "logit" in phases:
-                if not g.final_norm:
-                    raise OverRepError(f"recovery.loss 'logit' needs a module that ends at the final norm; the "
-                                       f"module ending at block {g.target_layer} does not (use normed, fisher or "
-                                       "kl-topk, or recovery.final_block: true where the run ends before the "
-                                       "final block)")
-                aux[i]["gram"] = gram.to(device)
-            if "kl-topk" in phases:
-                aux[i]["tail"] = Tail(self.model, m, full_ctx)
-        return aux
 
     @torch.no_grad()
     def finish(self) -> dict:
@@ -101,10 +78,12 @@ class LayerwiseRun(MethodRun):
         return {**super().describe(), "preset": self.preset.to_dict(), "loss": self.loss}
 
 
-def _with_topk(source, values: torch.Tensor, indices: torch.Tensor):
+def _with_rows(source, rows: dict):
+    """``source`` whose batches also carry ``rows``' entries of the batch's rows."""
     def wrapped(idx):
         batch = source(idx)
-        rows = [i % values.shape[0] for i in idx]  # (a probe cycles over its few rows)
-        v, i = values[rows], indices[rows]
-        return [{**f, "topk_values": v, "topk_indices": i} for f in batch]
+        first = next(iter(rows.values()))
+        at = [i % first.shape[0] for i in idx]  # (a probe cycles over its few rows)
+        extra = {k: v[at] for k, v in rows.items()}
+        return [{**f, **extra} for f in batch]
     return wrapped

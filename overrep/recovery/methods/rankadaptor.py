@@ -101,19 +101,31 @@ PROBE_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lr", "batch_size", "
                 "precision")
 
 
-def check_config(r, train_sequences: int) -> None:
-    """The ``recovery.rankadaptor_*`` fields (the run configuration's validation calls this)."""
-    for name, low in (("probes", 2), ("probe_steps", 1), ("candidates", 1), ("val_sequences", 1)):
-        v = getattr(r, f"rankadaptor_{name}")
-        if v < low:
-            raise OverRepError(f"recovery.rankadaptor_{name} must be >= {low}, got {v}")
-    if not 0 < r.rankadaptor_budget_share <= 1:
-        raise OverRepError(f"recovery.rankadaptor_budget_share must be in (0, 1], got {r.rankadaptor_budget_share}")
-    left, batch = train_sequences - r.rankadaptor_val_sequences - GAP, r.batch_size * r.grad_accum
-    if r.method == "rankadaptor" and left < batch:
-        raise OverRepError(f"recovery.rankadaptor_val_sequences={r.rankadaptor_val_sequences} leaves {max(left, 0)} "
-                           f"of the {train_sequences} training rows to the search's probes, fewer than one batch "
-                           f"({batch}); lower it or add data")
+@dataclass
+class RankAdaptorOptions:
+    """``recovery`` options of RankAdaptor: per-block LoRA ranks, mean ``lora_rank``, chosen by
+    a performance-model search (cached)."""
+
+    rankadaptor_probes: int = 8  # rank configurations really fine-tuned and measured (the uniform one and ~half sampled offline, the rest proposed online)
+    rankadaptor_probe_steps: int = 10  # optimiser steps of each probe's short LoRA fine-tune (the search costs probes x probe_steps LoRA steps, plus one validation each)
+    rankadaptor_candidates: int = 2000  # configurations the performance model scores per online round (the best two are measured)
+    rankadaptor_budget_share: float = 0.5  # under recovery.time_budget the search stops once another probe would pass this share of the budget (the uniform probe always runs)
+    rankadaptor_val_sequences: int = 8  # training rows held back to score the probes (validation loss; never the held-out rows)
+
+    def check_rankadaptor(self, train_sequences: int, searches: bool) -> None:
+        """``searches``: the run's method is this search (its rows must hold a batch)."""
+        for name, low in (("probes", 2), ("probe_steps", 1), ("candidates", 1), ("val_sequences", 1)):
+            v = getattr(self, f"rankadaptor_{name}")
+            if v < low:
+                raise OverRepError(f"recovery.rankadaptor_{name} must be >= {low}, got {v}")
+        if not 0 < self.rankadaptor_budget_share <= 1:
+            raise OverRepError(f"recovery.rankadaptor_budget_share must be in (0, 1], got "
+                               f"{self.rankadaptor_budget_share}")
+        left, batch = train_sequences - self.rankadaptor_val_sequences - GAP, self.batch_size * self.grad_accum
+        if searches and left < batch:
+            raise OverRepError(f"recovery.rankadaptor_val_sequences={self.rankadaptor_val_sequences} leaves "
+                               f"{max(left, 0)} of the {train_sequences} training rows to the search's probes, fewer "
+                               f"than one batch ({batch}); lower it or add data")
 
 
 @dataclass(frozen=True)

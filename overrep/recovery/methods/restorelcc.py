@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -236,18 +237,25 @@ class RestoreLCCRun(MethodRun):
         return {**super().describe(), "restorelcc": self.summary()}
 
 
-def check_config(r, granularity: str) -> None:
-    """The ``recovery.restorelcc_*`` fields (and block removal, when the method is restorelcc)."""
-    h = r.restorelcc_heads
-    if not h > 0 or (h > 1 and h != int(h)):
-        raise OverRepError(f"recovery.restorelcc_heads must be a fraction in (0, 1] or a whole count > 1, got {h}")
-    if r.restorelcc_components < 1 or r.restorelcc_probe_rows < 1:
-        raise OverRepError("recovery.restorelcc_components and restorelcc_probe_rows must be >= 1")
-    if r.restorelcc_probe not in PROBE_MODES:
-        raise OverRepError(f"recovery.restorelcc_probe must be one of {', '.join(PROBE_MODES)}, "
-                           f"got '{r.restorelcc_probe}'")
-    if r.restorelcc_init_std < 0:
-        raise OverRepError(f"recovery.restorelcc_init_std must be >= 0, got {r.restorelcc_init_std}")
-    if r.method == "restorelcc" and granularity != "blocks":
-        raise OverRepError("recovery.method restorelcc pairs each retained block with the same dense block; it "
-                           "needs prune.granularity: blocks")
+@dataclass
+class RestoreLCCOptions:
+    """``recovery`` options of RestoreLCC: learnable vectors on the attention heads a probe
+    found pruning hurt most."""
+
+    restorelcc_heads: float = 0.25  # heads compensated: a fraction (<= 1) of all heads of the pruned model, or a whole count (> 1); the reference's default is a quarter
+    restorelcc_components: int = 10  # top SVD directions of a head's dense-minus-pruned outputs whose mean part is its lost component (the probe's edit)
+    restorelcc_probe_rows: int = 8  # training rows (every token) the dense and pruned heads are compared and probed on
+    restorelcc_probe: str = "gradient"  # head score: "gradient" (loss change of the edit to first order, one backward) | "edit" (measured, one forward per head)
+    restorelcc_init_std: float = 1e-3  # std of the normal init of the magnitudes and the free component (the reference's; 0: start exactly at the pruned model)
+
+    def check_restorelcc(self) -> None:
+        h = self.restorelcc_heads
+        if not h > 0 or (h > 1 and h != int(h)):
+            raise OverRepError(f"recovery.restorelcc_heads must be a fraction in (0, 1] or a whole count > 1, got {h}")
+        if self.restorelcc_components < 1 or self.restorelcc_probe_rows < 1:
+            raise OverRepError("recovery.restorelcc_components and restorelcc_probe_rows must be >= 1")
+        if self.restorelcc_probe not in PROBE_MODES:
+            raise OverRepError(f"recovery.restorelcc_probe must be one of {', '.join(PROBE_MODES)}, "
+                               f"got '{self.restorelcc_probe}'")
+        if self.restorelcc_init_std < 0:
+            raise OverRepError(f"recovery.restorelcc_init_std must be >= 0, got {self.restorelcc_init_std}")

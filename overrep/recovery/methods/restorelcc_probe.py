@@ -27,8 +27,6 @@ the probe rows and the options, so a time budget's second set-up does not probe 
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +34,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...atomic import save_torch
 from ...errors import OverRepError
 from ...model.arch import block_parts, decoder_layers
-from ...model.hooks import StopForward
-from ...model.runtime import digest, model_fingerprint
-
-log = logging.getLogger(__name__)
+from ...model.hooks import StopForward, run_hooked
+from ...memo import digest, memoised, tensor_digest
+from ...model.runtime import model_fingerprint
 
 PROBE_BATCH = 4  # probe rows per forward pass
 PROBE_MODES = ("gradient", "edit")
@@ -103,24 +99,13 @@ def _hooks(modules: list[nn.Module], store: dict, edits: list[torch.Tensor] | No
 
 def _pruned_loss(model, ids, edits, store=None) -> torch.Tensor:
     handles = _hooks(o_projections(model), {} if store is None else store, edits, None)
-    try:
-        return model(input_ids=ids, labels=ids, use_cache=False).loss
-    finally:
-        for h in handles:
-            h.remove()
+    return run_hooked(model, handles, input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def _dense_outputs(dense, ids, kept: list[int]) -> dict:
     store: dict = {}
     projs = o_projections(dense)
-    handles = _hooks([projs[i] for i in kept], store, None, len(kept) - 1)
-    try:
-        dense(input_ids=ids, use_cache=False)
-    except StopForward:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(dense, _hooks([projs[i] for i in kept], store, None, len(kept) - 1), input_ids=ids, use_cache=False)
     return store
 
 
@@ -209,19 +194,14 @@ def cached_probe(pruned: nn.Module, dense: nn.Module, kept: list[int], ids: torc
     if root is None:
         return run_probe(pruned, dense, kept, ids, components=components, mode=mode)
     key = digest({"version": _VERSION, "dense": model_fingerprint(dense, ""), "pruned": model_fingerprint(pruned, ""),
-                  "kept": list(kept), "rows": hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest(),
-                  "components": components, "mode": mode})
-    path = Path(root) / "restorelcc" / f"probe-{key}.pt"
-    if path.is_file():
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-            log.info("restorelcc: reusing the head probe %s", path)
-            return Probe(**{**saved, "cached": True})
-        except Exception:  # a torn or foreign file: probe again and replace it
-            log.warning("restorelcc probe cache %s is unreadable; probing again", path)
-    probe = run_probe(pruned, dense, kept, ids, components=components, mode=mode)
-    save_torch(path, {k: v for k, v in vars(probe).items() if k != "cached"}, "the restorelcc probe cache")
-    return probe
+                  "kept": list(kept), "rows": tensor_digest(ids), "components": components, "mode": mode})
+
+    def probe() -> dict:
+        found = run_probe(pruned, dense, kept, ids, components=components, mode=mode)
+        return {k: v for k, v in vars(found).items() if k != "cached"}
+
+    saved, reused = memoised(Path(root) / "restorelcc" / f"probe-{key}.pt", probe, "restorelcc head probe")
+    return Probe(**saved, cached=reused)
 
 
 def select_heads(scores: torch.Tensor, spec: float) -> list[tuple[int, int]]:

@@ -4,12 +4,26 @@ objective (``overrep-kd``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ...errors import OverRepError
 from ...model.arch import decoder_layers
 from ...model.presets import get_preset
 from ...model.wrap import apply_preset, merge_recovery
 from ..objectives import LanguageModeling, LogitDistillation, pretrained_matrix_ids, unique_trainable
 from ..teacher import MethodInputs
 from .base import Method, MethodRun, at_last_trained_step, check_fold, logits_of
+
+
+@dataclass
+class KDOptions:
+    """``recovery`` options of the logit-distillation methods."""
+
+    kd_tau: float = 1.0  # logit-kd / overrep-kd: distillation temperature
+
+    def check_kd(self) -> None:
+        if self.kd_tau <= 0:
+            raise OverRepError(f"recovery.kd_tau must be > 0, got {self.kd_tau}")
 
 
 class OvercompleteKDRun(MethodRun):
