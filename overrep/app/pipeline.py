@@ -30,7 +30,8 @@ from ..atomic import write_json
 from ..core.precision import resolve_precision
 from ..data.text import token_splits
 from ..errors import OverRepError
-from ..eval.heldout import domain_perplexities, unseen_domain_rows
+from ..eval.figures import eval_data, model_figures
+from ..eval.heldout import unseen_domain_rows
 from ..eval.measure import generation_latency
 from ..model.accounting import blocks_for_ratio, counted_parameters
 from ..model.arch import check_supported, decoder_layers
@@ -132,17 +133,14 @@ class Pipeline(BudgetStages):
                          block1_init=r.block1_init, final_block=r.final_block)
         t0 = time.perf_counter()
         d = cfg.data
-        self.train_ids, self.heldout_ids, val_ids, self.data_info = token_splits(
-            d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
-            heldout_sequences=d.heldout_sequences, validation_sequences=d.validation_sequences, seed=d.seed,
-            text_field=d.text_field, progress=self.progress)
+        splits = token_splits(d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
+                              test_sequences=d.heldout_sequences, validation_sequences=d.validation_sequences,
+                              seed=d.seed, text_field=d.text_field, progress=self.progress)
+        self.train_ids, self.heldout_ids, val_ids, self.data_info, _ = splits  # heldout_ids: the test rows
         self.val_ids = val_ids if val_ids.shape[0] else None
-        if d.validation_sequences and self.val_ids is None:
-            log.warning("data %s: no training documents to spare for validation rows; val_ppl and "
-                        "recovery.keep_best are off", d.source)
-        self.unseen_ids = unseen_domain_rows(cfg.eval.domains if cfg.eval.perplexity else None, self.tokenizer,
-                                             training_source=d.source, seq_len=d.seq_len,
-                                             rows=cfg.eval.domain_sequences, seed=d.seed)
+        self.eval_data = eval_data(splits, unseen_domain_rows(
+            cfg.eval.domains if cfg.eval.perplexity else None, self.tokenizer, training_source=d.source,
+            seq_len=d.seq_len, rows=cfg.eval.domain_sequences, seed=d.seed), cfg.eval)
         self.timings["data"] = time.perf_counter() - t0
         if self.width:
             self.select_widths()
@@ -247,12 +245,13 @@ class Pipeline(BudgetStages):
             return
         ev = self.cfg.eval
         t0 = time.perf_counter()
-        if ev.perplexity:
-            ppl = domain_perplexities(model, self.heldout_ids, self.data_info.get("components"), self.unseen_ids,
-                                      desc=f"ppl {tag}", progress=self.progress)
-            self.metrics[f"{tag}_ppl"] = ppl["all"]
-            if ppl["domains"] or ppl["unseen"]:
-                self.metrics[f"{tag}_ppl_domains"] = {**ppl["domains"], **ppl["unseen"]}
+        if ev.perplexity:  # with intervals; dense and unrecovered figures cached by model, mask, data, protocol
+            found, scores = model_figures(model, self.tokenizer, self.eval_data, tag=tag, progress=self.progress,
+                                          source=self.model_info["source"], mask=tag != "dense" and self.plan.to_dict(),
+                                          root=None if tag == "recovered" else self.cache_root,
+                                          dense=getattr(self, "dense_scores", None))
+            self.metrics.update(found)
+            self.dense_scores = scores if tag == "dense" else getattr(self, "dense_scores", None)
         if ev.latency:
             lat = generation_latency(model, self.tokenizer, ev.sample_prompt, ev.latency_tokens)
             self.metrics[f"{tag}_latency_s_per_token"] = lat["seconds_per_token"]
@@ -297,7 +296,8 @@ class Pipeline(BudgetStages):
         self.metrics["loss"] = self.recovery.describe().get("loss")  # the layer-wise loss; None for LM/KD methods
 
     def method_inputs(self) -> MethodInputs:
-        return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,
+        return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,  # probes: never test
+                            self.val_ids if self.val_ids is not None else self.train_ids,
                             self.total_steps, self.teacher, self.val_ids)
 
     @property
@@ -399,7 +399,7 @@ class Pipeline(BudgetStages):
         }
         path = export_model(self.pruned, self.tokenizer, self.out / "model", provenance, overwrite=True)
         reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.pruned.dtype).to(self.device).eval()
-        ids = self.heldout_ids[:1].to(self.device)
+        ids = self.train_ids[:1].to(self.device)
         with torch.no_grad():
             d = (reloaded(ids).logits - self.pruned(ids).logits).abs().max().item()
         self.metrics["export_reload_max_abs_diff"] = d

@@ -152,15 +152,15 @@ def recovery_ratio(metrics) -> dict:
 def heldout_perplexity(model, tokenizer, *, source: str | None = None, seq_len: int = 256,
                        stride: int | None = None, tokens: int = 256 * 48, seed: int = 42,
                        progress: bool = False) -> dict:
-    """Perplexity on held-out text: ``tokens`` tokens of the held-out side of ``source``
+    """Perplexity on held-out text: ``tokens`` tokens of the test split of ``source``
     (default: the embedded corpus) as one stream, scored with windows of ``seq_len``
     advancing by ``stride`` (see :func:`perplexity`)."""
     from ..data.text import EMBEDDED, token_splits
 
     rows = max(1, math.ceil(tokens / seq_len))
-    _, held, _, info = token_splits(source or EMBEDDED, tokenizer, seq_len=seq_len, train_sequences=1,
-                                 heldout_sequences=rows, seed=seed, progress=progress)
+    _, held, _, info, _ = token_splits(source or EMBEDDED, tokenizer, seq_len=seq_len, train_sequences=1,
+                                       test_sequences=rows, seed=seed, progress=progress)
     stream = held.reshape(-1)[:tokens]
     out = perplexity(model, stream, seq_len, stride, progress=progress)
-    out.update({"source": source or EMBEDDED, "heldout_fingerprint": info.get("heldout_fingerprint")})
+    out.update({"source": source or EMBEDDED, "test_fingerprint": info.get("test_fingerprint")})
     return out
