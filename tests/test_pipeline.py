@@ -222,3 +222,56 @@ def test_a_run_default_module_ends_before_the_final_block(assets, tmp_path):
     config = str(assets / "tiny-llama")
     assert recovery_account(config, [3, 4], final_block=False)["trainable_params"] == m["trainable_params"]
     assert recovery_account(config, [3, 4])["trainable_params"] == paper["trainable_params"]
+
+
+def test_metrics_carry_validation_and_test_intervals_and_three_fingerprints(assets, tmp_path, caplog):
+    out = tmp_path / "run"
+    Pipeline(tiny_cfg(assets, out, eval__latency=False), progress=False).run()
+    m = json.loads((out / "metrics.json").read_text())
+    for tag in ("dense", "pruned", "recovered"):
+        fig = m[f"{tag}_perplexity"]
+        for split in ("validation", "test"):
+            f = fig[split]
+            assert f["low"] <= f["value"] <= f["high"] and f["tokens"] > 0, (tag, split)
+        assert fig["test"]["value"] == m[f"{tag}_ppl"] and set(fig["unseen"]) == {"lambada", "sciq"}
+        gen = m[f"{tag}_generation"]
+        assert 0 <= gen["lambada_last_word"]["value"] <= 1 and gen["lambada_last_word"]["n"] == 8
+        assert 0 < gen["distinct_2"] <= 1
+    pair = m["recovered_perplexity"]["test_vs_dense"]["ratio"]
+    assert pair["low"] <= pair["value"] <= pair["high"]
+    assert pair["value"] == pytest.approx(m["recovered_ppl"] / m["dense_ppl"])
+    fps = [m["data"][f"{k}_fingerprint"] for k in ("train", "validation", "test")]
+    assert len(set(fps)) == 3
+    assert "[" in (out / "report.md").read_text()  # intervals in the report
+    # a second run with the same model, mask and data reads the dense and unrecovered figures back
+    caplog.set_level("INFO", logger="overrep.pruning.cached")
+    again = Pipeline(tiny_cfg(assets, tmp_path / "again", eval__latency=False), progress=False).run()
+    reused = {r.getMessage().split(":")[0] for r in caplog.records if "reusing" in r.getMessage()}
+    assert {"dense evaluation", "pruned evaluation"} <= reused
+    assert again["dense_perplexity"] == m["dense_perplexity"] and again["pruned_ppl"] == m["pruned_ppl"]
+    assert len(list((tmp_path / "cache" / "eval").glob("*.pt"))) == 2  # a recovered model's are never cached
+
+
+def test_training_never_reads_the_test_rows(assets, tmp_path):
+    """Poison the test rows with token ids outside the vocabulary: any forward pass on them
+    fails. Recovery (features, training, probes, merge, export) still runs, and ends at the
+    same weights as with the real test rows."""
+    def stages(out, poison):
+        p = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False), progress=False)
+        p.prepare_output()
+        p.load()
+        if poison:
+            p.heldout_ids = torch.full_like(p.heldout_ids, p.dense.config.vocab_size + 7)
+            p.eval_data.test = p.heldout_ids
+            with pytest.raises(IndexError):  # the poison bites when the rows are read
+                p.dense(input_ids=p.heldout_ids[:1])
+        p.prune()
+        p.build_recovery()
+        p.train()
+        p.merge()
+        p.export()
+        return _weights(out)
+
+    clean, poisoned = stages(tmp_path / "clean", False), stages(tmp_path / "poisoned", True)
+    for k in clean:
+        assert torch.equal(clean[k], poisoned[k]), k

@@ -83,16 +83,14 @@ def last_word_accuracy(model, tokenizer, passages: list[tuple[str, str]], *, bat
 
 
 def document_starts(rows: torch.Tensor, units: torch.Tensor, count: int, length: int) -> torch.Tensor:
-    """``[<= count, length]`` prompts: the first ``length`` tokens of test documents that
-    start inside a row and fit in it (one per row, rows in order)."""
+    """``[min(count, rows), length]`` prompts, one per row in order: the first ``length``
+    tokens of the first test document that starts inside the row and fits in it, else the
+    row's own first ``length`` tokens (text from the middle of a document)."""
     prompts = []
-    for r in range(rows.shape[0]):
+    for r in range(min(count, rows.shape[0])):
         starts = torch.nonzero(units[r, 1:] != units[r, :-1]).flatten() + 1
-        start = next((int(s) for s in starts if s + length <= rows.shape[1]), None)
-        if start is not None:
-            prompts.append(rows[r, start:start + length])
-        if len(prompts) == count:
-            break
+        start = next((int(s) for s in starts if s + length <= rows.shape[1]), 0)
+        prompts.append(rows[r, start:start + length])
     return torch.stack(prompts) if prompts else torch.empty(0, length, dtype=torch.long)
 
 
@@ -109,8 +107,8 @@ def distinct_n(sequences: list[list[int]], n: int) -> float:
 @torch.no_grad()
 def repetition(model, tokenizer, prompts: torch.Tensor, new_tokens: int) -> dict:
     """Greedy continuations of ``prompts`` ``[P, L]`` (one batch: equal lengths, no padding):
-    ``{"distinct_2", "distinct_3", "prompts", "new_tokens", "sample"}``; a continuation ends
-    at the first eos."""
+    ``{"distinct_2", "distinct_3", "prompts", "new_tokens", "sample"}``. Every continuation
+    is ``new_tokens`` long (eos is not allowed to end one early), so the shares compare."""
     if prompts.shape[0] == 0:
         return {"distinct_2": None, "distinct_3": None, "prompts": 0, "new_tokens": new_tokens, "sample": ""}
     eos = tokenizer.eos_token_id
@@ -122,8 +120,6 @@ def repetition(model, tokenizer, prompts: torch.Tensor, new_tokens: int) -> dict
             pad_token_id=eos)
     finally:
         model.train(was_training)
-    conts = []
-    for row in out[:, prompts.shape[1]:].tolist():
-        conts.append(row[:row.index(eos)] if eos in row else row)
+    conts = out[:, prompts.shape[1]:].tolist()
     return {"distinct_2": distinct_n(conts, 2), "distinct_3": distinct_n(conts, 3), "prompts": len(conts),
             "new_tokens": new_tokens, "sample": tokenizer.decode(conts[0])}
