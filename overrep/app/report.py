@@ -137,7 +137,8 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         "| blocks | latency (ms/token) |",
         "|---|---|---|---|---|---|---|",
         *[f"| {n} | {format_interval(_fig(m, tag, 'test') or {'value': p})} | "
-          f"{format_interval(_fig(m, tag, 'validation'))} | {format_interval(_fig(m, tag, 'test_vs_dense', 'ratio'), 3)} "
+          f"{format_interval(_fig(m, tag, 'validation'))} | "
+          f"{format_interval(_fig(m, tag, 'test_vs_dense', 'ratio'), 3)} "
           f"| {_fmt(c)} | {l} | {_fmt(None if t is None else 1000 * t, 3)} |"
           for (n, p, c, l, t), tag in zip(rows, ("dense", "pruned", "recovered"))],
         "",
