@@ -238,7 +238,7 @@ def test_task_selection_and_limits():
     assert lmeval.resolve_tasks("reasoning") == lmeval.SUITES["reasoning"]
     assert lmeval.resolve_tasks("generation, arc_easy") == ["arc_easy", "coqa", "gsm8k", "triviaqa"]
     assert lmeval.resolve_tasks(["piqa_local", "PIQA"]) == ["piqa"]
-    assert len(lmeval.resolve_tasks("all")) == 13
+    assert len(lmeval.resolve_tasks("all")) == 15  # the paper's 13, SciQ and LAMBADA
     assert lmeval.resolve_limit("quick", "hellaswag") == lmeval.QUICK_LIMIT["reasoning"]
     assert lmeval.resolve_limit("quick", "gsm8k") == lmeval.QUICK_LIMIT["generation"]
     assert lmeval.resolve_limit("full", "gsm8k") is None and lmeval.resolve_limit("50", "piqa") == 50
