@@ -192,7 +192,7 @@ def test_cli_cache_then_export_from_checkpoints(assets, tmp_path, capsys):
         assert torch.allclose(before[k], after[k], atol=1e-6, rtol=0), k
 
 
-def test_benchmarks_inside_the_run_report(assets, tmp_path):
+def test_benchmarks_inside_the_run_report(assets, tmp_path, caplog):
     cfg = tiny_cfg(assets, tmp_path / "bench", eval__latency=False, recovery__steps=2,
                    eval__benchmarks="arc_easy,winogrande", eval__benchmark_limit=2)
     m = Pipeline(cfg, progress=False).run()
@@ -202,6 +202,13 @@ def test_benchmarks_inside_the_run_report(assets, tmp_path):
     assert (tmp_path / "bench" / "benchmarks" / "recovered.json").is_file()
     report = (tmp_path / "bench" / "report.md").read_text()
     assert "## Benchmarks" in report and "| arc_easy |" in report
+    # the dense and unrecovered results are cached: a second run reads them back (and still writes its files)
+    caplog.set_level("INFO", logger="overrep.pruning.cached")
+    again = Pipeline(tiny_cfg(assets, tmp_path / "again", eval__latency=False, recovery__steps=2,
+                              eval__benchmarks="arc_easy,winogrande", eval__benchmark_limit=2), progress=False).run()
+    assert sum("benchmarks: reusing" in r.getMessage() for r in caplog.records) == 2
+    assert again["benchmarks"]["dense"] == m["benchmarks"]["dense"]
+    assert (tmp_path / "again" / "benchmarks" / "dense.json").is_file()
 
 
 def test_a_run_default_module_ends_before_the_final_block(assets, tmp_path):

@@ -30,7 +30,7 @@ from ..atomic import write_json
 from ..core.precision import resolve_precision
 from ..data.text import token_splits
 from ..errors import OverRepError
-from ..eval.figures import eval_data, model_figures
+from ..eval.figures import eval_data, model_benchmarks, model_figures
 from ..eval.heldout import unseen_domain_rows
 from ..eval.measure import generation_latency
 from ..model.accounting import blocks_for_ratio, counted_parameters
@@ -245,10 +245,11 @@ class Pipeline(BudgetStages):
             return
         ev = self.cfg.eval
         t0 = time.perf_counter()
-        if ev.perplexity:  # with intervals; dense and unrecovered figures cached by model, mask, data, protocol
+        # dense and unrecovered figures are cached by model, mask, data and protocol; a recovered model's never
+        mask, root = tag != "dense" and self.plan.to_dict(), None if tag == "recovered" else self.cache_root
+        if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
             found, scores = model_figures(model, self.tokenizer, self.eval_data, tag=tag, progress=self.progress,
-                                          source=self.model_info["source"], mask=tag != "dense" and self.plan.to_dict(),
-                                          root=None if tag == "recovered" else self.cache_root,
+                                          source=self.model_info["source"], mask=mask, root=root,
                                           dense=getattr(self, "dense_scores", None))
             self.metrics.update(found)
             self.dense_scores = scores if tag == "dense" else getattr(self, "dense_scores", None)
@@ -257,10 +258,9 @@ class Pipeline(BudgetStages):
             self.metrics[f"{tag}_latency_s_per_token"] = lat["seconds_per_token"]
             self.metrics.setdefault("samples", {})[tag] = lat["text"]
         if ev.benchmarks:
-            from ..eval.lmeval import evaluate_benchmarks
-
-            results = evaluate_benchmarks(model, self.tokenizer, tasks=ev.benchmarks, limit=ev.benchmark_limit,
-                                          output=self.out / "benchmarks" / f"{tag}.json", progress=self.progress)
+            results = model_benchmarks(model, self.tokenizer, tasks=ev.benchmarks, limit=ev.benchmark_limit,
+                                       output=self.out / "benchmarks" / f"{tag}.json", progress=self.progress,
+                                       source=self.model_info["source"], mask=mask, root=root)
             self.benchmark_results[tag] = results
             self.metrics.setdefault("benchmarks", {})[tag] = {
                 b: r.get("value") for b, r in results["tasks"].items() if r.get("status") == "ok"}

@@ -116,3 +116,27 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     if "generation" in scores:
         out[f"{tag}_generation"] = scores["generation"]
     return out, scores
+
+
+def model_benchmarks(model, tokenizer, *, tasks, limit, output: Path, source: str, mask: dict | None,
+                     root: Path | None, progress: bool = False) -> dict:
+    """:func:`overrep.eval.lmeval.evaluate_benchmarks` of one model, written to ``output``;
+    read back from ``root`` (``None``: never cached) when the same model, mask, tasks, limit
+    and library versions were scored before."""
+    import json
+
+    from .harness import library_versions
+    from .lmeval import evaluate_benchmarks, write_results
+
+    def compute() -> dict:
+        return {"json": json.dumps(evaluate_benchmarks(model, tokenizer, tasks=tasks, limit=limit, output=output,
+                                                       progress=progress))}
+
+    if root is None:
+        return json.loads(compute()["json"])
+    key = {"model": model_fingerprint(model, source), "mask": mask, "dtype": str(model.dtype), "tasks": tasks,
+           "limit": limit, "versions": library_versions()}
+    results = json.loads(memoised(Path(root) / "eval" / f"benchmarks-{digest(key)}.pt", compute, "benchmarks")["json"])
+    if not Path(output).is_file():  # read back from the cache: the run folder still gets its file
+        write_results(output, {**results, "output": str(output)})
+    return results
