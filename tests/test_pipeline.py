@@ -159,9 +159,9 @@ def test_real_embedded_model_few_steps(tmp_path):
     cfg = RunConfig.load(overrides={
         "recovery": {"steps": 12, "batch_size": 4, "checkpoint_every": 12, "eval_every": 12},
         "prune": {"criterion": "last"},  # the paper's mask: block 17 alone learns the run (final_block off)
-        "data": {"seq_len": 64, "train_sequences": 16, "heldout_sequences": 4},
+        "data": {"seq_len": 64, "train_sequences": 16, "heldout_sequences": 4, "validation_sequences": 4},
         "cache": {"dir": str(tmp_path / "cache")},
-        "eval": {"latency": False},
+        "eval": {"latency": False, "domain_sequences": 4, "lambada_passages": 16, "generation_prompts": 4},
         "output": str(tmp_path / "out")})
     m = Pipeline(cfg, progress=False).run()
     assert m["num_layers_before"] == 30 and m["removed_layers"] == list(range(18, 29))
