@@ -1,11 +1,13 @@
 """What a run's evaluation costs and how wide its intervals are, part by part, for one model.
 
-    OMP_NUM_THREADS=1 python scripts/eval_cost.py [MODEL] > cost.json
+    OMP_NUM_THREADS=1 python scripts/eval_cost.py [MODEL [REMOVE]] > cost.json
 
 Builds the default run's evaluation data (``RunConfig()``: data splits, unseen corpora,
 generation check) and scores MODEL (default ``embedded``) on each part on one thread,
 printing the CPU seconds of the process for each (``time.process_time``: a shared machine
-disturbs it far less than wall-clock time) and each figure with its 95% interval.
+disturbs it far less than wall-clock time) and each figure with its 95% interval. With
+REMOVE (blocks, e.g. ``9-19``), the model with those blocks removed (no recovery) is scored
+on the test rows too, with its paired ratio to MODEL overall and per domain.
 """
 
 import json
@@ -23,7 +25,7 @@ from overrep.eval.intervals import perplexity_interval
 from overrep.model.loading import load_model
 
 
-def main(model_spec: str = "embedded") -> dict:
+def main(model_spec: str = "embedded", remove: str | None = None) -> dict:
     torch.set_num_threads(1)
     cfg = RunConfig.load()
     d, ev = cfg.data, cfg.eval
@@ -55,6 +57,20 @@ def main(model_spec: str = "embedded") -> dict:
         model, tok, lambada_passages(data.lambada)))
     prompts = document_starts(data.test, data.test_units, data.prompts, data.prompt_tokens)
     out["repetition"] = timed("repetition", lambda: repetition(model, tok, prompts, data.new_tokens))
+    if remove:
+        import copy
+
+        from overrep.eval.intervals import paired_ratio
+        from overrep.model.presets import get_preset
+        from overrep.model.surgery import parse_layers, prune
+        from overrep.model.wrap import plan_recovery
+
+        plan = plan_recovery(model, parse_layers(remove), get_preset("hybrid"), blocks=1)
+        pruned = prune(copy.deepcopy(model), plan)
+        scored = timed("pruned_test", lambda: score_rows(pruned, data.test, data.test_units, strata))
+        out["pruned_test"] = perplexity_interval(scored)
+        out["pruned_vs_dense"] = {"all": paired_ratio(scored, test), **{
+            n: paired_ratio(scored.select(i), test.select(i)) for i, n in enumerate(names)}}
     return out
 
 
