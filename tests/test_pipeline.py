@@ -282,3 +282,12 @@ def test_training_never_reads_the_test_rows(assets, tmp_path):
     clean, poisoned = stages(tmp_path / "clean", False), stages(tmp_path / "poisoned", True)
     for k in clean:
         assert torch.equal(clean[k], poisoned[k]), k
+
+
+def test_evaluation_sizes_are_checked_before_anything_loads():
+    with pytest.raises(OverRepError, match="eval.domain_sequences, lambada_passages"):
+        RunConfig.load(overrides={"eval": {"lambada_passages": 0}})
+    cfg = RunConfig()
+    # the protocol's sizes: >= 48k test tokens, >= 16k per unseen corpus, 32 validation rows
+    assert cfg.data.heldout_sequences * cfg.data.seq_len >= 48_000
+    assert cfg.eval.domain_sequences * cfg.data.seq_len >= 16_000 and cfg.data.validation_sequences >= 32
