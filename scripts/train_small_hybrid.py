@@ -54,8 +54,8 @@ def main() -> None:
     torch.manual_seed(a.seed)
     docs = [d for part in mixture_parts(SOURCE) for d in load_documents(part, seed=a.seed)]
     tok = train_bpe_tokenizer(docs, a.vocab)
-    train_ids, heldout_ids, _, info = token_splits(SOURCE, tok, seq_len=a.seq_len, train_sequences=4200,
-                                                heldout_sequences=64, seed=a.seed, progress=False)
+    train_ids, heldout_ids, _, info, _ = token_splits(SOURCE, tok, seq_len=a.seq_len, train_sequences=4200,
+                                                   test_sequences=64, seed=a.seed, progress=False)
     model = AutoModelForCausalLM.from_config(config(len(tok), tok.eos_token_id), dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, betas=(0.9, 0.95))

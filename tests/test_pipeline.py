@@ -159,9 +159,9 @@ def test_real_embedded_model_few_steps(tmp_path):
     cfg = RunConfig.load(overrides={
         "recovery": {"steps": 12, "batch_size": 4, "checkpoint_every": 12, "eval_every": 12},
         "prune": {"criterion": "last"},  # the paper's mask: block 17 alone learns the run (final_block off)
-        "data": {"seq_len": 64, "train_sequences": 16, "heldout_sequences": 4},
+        "data": {"seq_len": 64, "train_sequences": 16, "heldout_sequences": 4, "validation_sequences": 4},
         "cache": {"dir": str(tmp_path / "cache")},
-        "eval": {"latency": False},
+        "eval": {"latency": False, "domain_sequences": 4, "lambada_passages": 16, "generation_prompts": 4},
         "output": str(tmp_path / "out")})
     m = Pipeline(cfg, progress=False).run()
     assert m["num_layers_before"] == 30 and m["removed_layers"] == list(range(18, 29))
@@ -192,7 +192,7 @@ def test_cli_cache_then_export_from_checkpoints(assets, tmp_path, capsys):
         assert torch.allclose(before[k], after[k], atol=1e-6, rtol=0), k
 
 
-def test_benchmarks_inside_the_run_report(assets, tmp_path):
+def test_benchmarks_inside_the_run_report(assets, tmp_path, caplog):
     cfg = tiny_cfg(assets, tmp_path / "bench", eval__latency=False, recovery__steps=2,
                    eval__benchmarks="arc_easy,winogrande", eval__benchmark_limit=2)
     m = Pipeline(cfg, progress=False).run()
@@ -202,6 +202,13 @@ def test_benchmarks_inside_the_run_report(assets, tmp_path):
     assert (tmp_path / "bench" / "benchmarks" / "recovered.json").is_file()
     report = (tmp_path / "bench" / "report.md").read_text()
     assert "## Benchmarks" in report and "| arc_easy |" in report
+    # the dense and unrecovered results are cached: a second run reads them back (and still writes its files)
+    caplog.set_level("INFO", logger="overrep.memo")
+    again = Pipeline(tiny_cfg(assets, tmp_path / "again", eval__latency=False, recovery__steps=2,
+                              eval__benchmarks="arc_easy,winogrande", eval__benchmark_limit=2), progress=False).run()
+    assert sum("benchmarks: reusing" in r.getMessage() for r in caplog.records) == 2
+    assert again["benchmarks"]["dense"] == m["benchmarks"]["dense"]
+    assert (tmp_path / "again" / "benchmarks" / "dense.json").is_file()
 
 
 def test_a_run_default_module_ends_before_the_final_block(assets, tmp_path):
@@ -222,3 +229,65 @@ def test_a_run_default_module_ends_before_the_final_block(assets, tmp_path):
     config = str(assets / "tiny-llama")
     assert recovery_account(config, [3, 4], final_block=False)["trainable_params"] == m["trainable_params"]
     assert recovery_account(config, [3, 4])["trainable_params"] == paper["trainable_params"]
+
+
+def test_metrics_carry_validation_and_test_intervals_and_three_fingerprints(assets, tmp_path, caplog):
+    out = tmp_path / "run"
+    Pipeline(tiny_cfg(assets, out, eval__latency=False), progress=False).run()
+    m = json.loads((out / "metrics.json").read_text())
+    for tag in ("dense", "pruned", "recovered"):
+        fig = m[f"{tag}_perplexity"]
+        for split in ("validation", "test"):
+            f = fig[split]
+            assert f["low"] <= f["value"] <= f["high"] and f["tokens"] > 0, (tag, split)
+        assert fig["test"]["value"] == m[f"{tag}_ppl"] and set(fig["unseen"]) == {"lambada", "sciq"}
+        gen = m[f"{tag}_generation"]
+        assert 0 <= gen["lambada_last_word"]["value"] <= 1 and gen["lambada_last_word"]["n"] == 8
+        assert 0 < gen["distinct_2"] <= 1
+    pair = m["recovered_perplexity"]["test_vs_dense"]["ratio"]
+    assert pair["low"] <= pair["value"] <= pair["high"]
+    assert pair["value"] == pytest.approx(m["recovered_ppl"] / m["dense_ppl"])
+    fps = [m["data"][f"{k}_fingerprint"] for k in ("train", "validation", "test")]
+    assert len(set(fps)) == 3
+    assert "[" in (out / "report.md").read_text()  # intervals in the report
+    # a second run with the same model, mask and data reads the dense and unrecovered figures back
+    caplog.set_level("INFO", logger="overrep.memo")
+    again = Pipeline(tiny_cfg(assets, tmp_path / "again", eval__latency=False), progress=False).run()
+    reused = {r.getMessage().split(":")[0] for r in caplog.records if "reusing" in r.getMessage()}
+    assert {"dense evaluation", "pruned evaluation"} <= reused
+    assert again["dense_perplexity"] == m["dense_perplexity"] and again["pruned_ppl"] == m["pruned_ppl"]
+    assert len(list((tmp_path / "cache" / "eval").glob("*.pt"))) == 2  # a recovered model's are never cached
+
+
+def test_training_never_reads_the_test_rows(assets, tmp_path):
+    """Poison the test rows with token ids outside the vocabulary: any forward pass on them
+    fails. Recovery (features, training, probes, merge, export) still runs, and ends at the
+    same weights as with the real test rows."""
+    def stages(out, poison):
+        p = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False), progress=False)
+        p.prepare_output()
+        p.load()
+        if poison:
+            p.heldout_ids = torch.full_like(p.heldout_ids, p.dense.config.vocab_size + 7)
+            p.eval_data.test = p.heldout_ids
+            with pytest.raises(IndexError):  # the poison bites when the rows are read
+                p.dense(input_ids=p.heldout_ids[:1])
+        p.prune()
+        p.build_recovery()
+        p.train()
+        p.merge()
+        p.export()
+        return _weights(out)
+
+    clean, poisoned = stages(tmp_path / "clean", False), stages(tmp_path / "poisoned", True)
+    for k in clean:
+        assert torch.equal(clean[k], poisoned[k]), k
+
+
+def test_evaluation_sizes_are_checked_before_anything_loads():
+    with pytest.raises(OverRepError, match="eval.domain_sequences, lambada_passages"):
+        RunConfig.load(overrides={"eval": {"lambada_passages": 0}})
+    cfg = RunConfig()
+    # the protocol's sizes: >= 48k test tokens, >= 16k per unseen corpus, 32 validation rows
+    assert cfg.data.heldout_sequences * cfg.data.seq_len >= 48_000
+    assert cfg.eval.domain_sequences * cfg.data.seq_len >= 16_000 and cfg.data.validation_sequences >= 32

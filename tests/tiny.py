@@ -116,9 +116,10 @@ def tiny_cfg(assets: Path, out: Path, **over):
         "recovery": {"steps": 8, "batch_size": 4, "checkpoint_every": 2, "eval_every": 4, "lr": 1e-3,
                      "final_block": True},
         "data": {"source": str(assets / "corpus.jsonl"), "seq_len": 32, "train_sequences": 24,
-                 "heldout_sequences": 4},
+                 "heldout_sequences": 4, "validation_sequences": 4},
         "cache": {"dir": str(out.parent / "cache")},
-        "eval": {"latency_tokens": 4},
+        "eval": {"latency_tokens": 4, "domain_sequences": 4, "lambada_passages": 8, "generation_prompts": 2,
+                 "generation_tokens": 4},
         "output": str(out),
     }
     for key, value in over.items():

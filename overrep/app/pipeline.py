@@ -26,7 +26,8 @@ from .. import __version__
 from ..atomic import write_json
 from ..core.precision import resolve_model_dtype, resolve_precision
 from ..data.text import token_splits
-from ..eval.heldout import domain_perplexities, require_finite, unseen_domain_rows
+from ..eval.figures import eval_data, model_benchmarks, model_figures
+from ..eval.heldout import unseen_domain_rows
 from ..eval.measure import generation_latency
 from ..model.accounting import blocks_for_ratio, pruning_account
 from ..model.arch import check_supported, decoder_layers
@@ -73,7 +74,8 @@ class Pipeline:
         self.folder: RunFolder | None = None  # prepare_output (rank 0)
         self.device = self.dense = self.tokenizer = self.model_info = self._offload = self.num_layers = None  # load
         self.model_fp = self.method = self.rcfg = self.total_steps = self.selection = self.plan = self.teacher = None
-        self.train_ids = self.heldout_ids = self.val_ids = self.unseen_ids = self.data_info = None
+        self.train_ids = self.heldout_ids = self.val_ids = self.eval_data = self.data_info = None
+        self.dense_scores = None  # evaluate_model("dense"): per-document scores the others are paired with
         self.pruned = None  # prune (merge: the compact model)
         self.budget: BudgetFit | None = None  # build_recovery: recovery.time_budget's decision
         self.recovery_started: float | None = None  # build_recovery: when the recovery (and a budget) started
@@ -145,17 +147,14 @@ class Pipeline:
                          block1_init=r.block1_init, final_block=r.final_block)
         t0 = time.perf_counter()
         d = cfg.data
-        self.train_ids, self.heldout_ids, val_ids, self.data_info = token_splits(
-            d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
-            heldout_sequences=d.heldout_sequences, validation_sequences=d.validation_sequences, seed=d.seed,
-            text_field=d.text_field, progress=self.progress)
+        splits = token_splits(d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,
+                              test_sequences=d.heldout_sequences, validation_sequences=d.validation_sequences,
+                              seed=d.seed, text_field=d.text_field, progress=self.progress)
+        self.train_ids, self.heldout_ids, val_ids, self.data_info, _ = splits  # heldout_ids: the test rows
         self.val_ids = val_ids if val_ids.shape[0] else None
-        if d.validation_sequences and self.val_ids is None:
-            log.warning("data %s: no training documents to spare for validation rows; val_ppl and "
-                        "recovery.keep_best are off", d.source)
-        self.unseen_ids = unseen_domain_rows(cfg.eval.domains if cfg.eval.perplexity else None, self.tokenizer,
-                                             training_source=d.source, seq_len=d.seq_len,
-                                             rows=cfg.eval.domain_sequences, seed=d.seed)
+        self.eval_data = eval_data(splits, unseen_domain_rows(
+            cfg.eval.domains if cfg.eval.perplexity else None, self.tokenizer, training_source=d.source,
+            seq_len=d.seq_len, rows=cfg.eval.domain_sequences, seed=d.seed), cfg.eval)
         self.timings["data"] = time.perf_counter() - t0
         if self.width:
             self.select_widths()
@@ -242,22 +241,22 @@ class Pipeline:
             return
         ev = self.cfg.eval
         t0 = time.perf_counter()
-        if ev.perplexity:
-            ppl = domain_perplexities(model, self.heldout_ids, self.data_info.get("components"), self.unseen_ids,
-                                      desc=f"ppl {tag}", progress=self.progress)
-            require_finite(ppl, f"the {tag} model's")  # never a finished run with a NaN in it
-            self.metrics[f"{tag}_ppl"] = ppl["all"]
-            if ppl["domains"] or ppl["unseen"]:
-                self.metrics[f"{tag}_ppl_domains"] = {**ppl["domains"], **ppl["unseen"]}
+        # dense and unrecovered figures are cached by model, mask, data and protocol; a recovered model's never
+        mask, root = tag != "dense" and self.plan.to_dict(), None if tag == "recovered" else self.cache_root
+        if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
+            found, scores = model_figures(model, self.tokenizer, self.eval_data, tag=tag, progress=self.progress,
+                                          source=self.model_info["source"], mask=mask, root=root,
+                                          dense=self.dense_scores)  # raises on a non-finite perplexity
+            self.metrics.update(found)
+            self.dense_scores = scores if tag == "dense" else self.dense_scores
         if ev.latency and not onload.is_onloaded(model):  # generating would read every block per token
             lat = generation_latency(model, self.tokenizer, ev.sample_prompt, ev.latency_tokens)
             self.metrics[f"{tag}_latency_s_per_token"] = lat["seconds_per_token"]
             self.metrics.setdefault("samples", {})[tag] = lat["text"]
         if ev.benchmarks and not onload.is_onloaded(model):
-            from ..eval.lmeval import evaluate_benchmarks
-
-            results = evaluate_benchmarks(model, self.tokenizer, tasks=ev.benchmarks, limit=ev.benchmark_limit,
-                                          output=self.out / "benchmarks" / f"{tag}.json", progress=self.progress)
+            results = model_benchmarks(model, self.tokenizer, tasks=ev.benchmarks, limit=ev.benchmark_limit,
+                                       output=self.out / "benchmarks" / f"{tag}.json", progress=self.progress,
+                                       source=self.model_info["source"], mask=mask, root=root)
             self.benchmark_results[tag] = results
             self.metrics.setdefault("benchmarks", {})[tag] = {
                 b: r.get("value") for b, r in results["tasks"].items() if r.get("status") == "ok"}
@@ -301,7 +300,8 @@ class Pipeline:
         self.metrics["loss"] = self.recovery.describe().get("loss")  # the layer-wise loss; None for LM/KD methods
 
     def method_inputs(self) -> MethodInputs:
-        return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids, self.heldout_ids,
+        return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,  # probes: never test
+                            self.val_ids if self.val_ids is not None else self.train_ids,
                             self.total_steps, self.teacher, self.val_ids)
 
     @property
@@ -389,7 +389,7 @@ class Pipeline:
             "merge_max_abs_diff": self.metrics.get("merge_max_abs_diff"),
             "training": {k: self.metrics.get(k) for k in training}, "data": self.data_info, "config": self.cfg.to_dict(),
         }
-        path, diff = export_checked(self.pruned, self.tokenizer, self.out / "model", provenance, self.heldout_ids[:1],
+        path, diff = export_checked(self.pruned, self.tokenizer, self.out / "model", provenance, self.train_ids[:1],
                                     self.device)  # reloaded as it is held: whole, or block by block
         self.metrics.update(export_reload_max_abs_diff=diff, model_dir=str(path))
         return path

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ..atomic import make_dirs, write_file, write_text  # noqa: E402
 from .runinfo import describe  # noqa: E402
+from ..eval.intervals import format_interval  # noqa: E402
 
 
 LOSS_NAMES = {"mse": "layer-wise MSE", "lm": "cross-entropy", "kd": "KL to dense logits"}
@@ -69,18 +70,46 @@ def _selection_line(sel: dict | None) -> list[str]:
             f"{sel['last_step']} ({_fmt(sel['last_val_ppl'])}): `recovery.keep_best`"]
 
 
+def _fig(m: dict, tag: str, *path) -> dict | None:
+    node = m.get(f"{tag}_perplexity")
+    for key in path:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
 def _domain_table(m: dict) -> list[str]:
-    """Held-out perplexity per domain (training sources and unseen corpora), with the ratio to dense."""
+    """Test perplexity per domain (training sources and unseen corpora) with 95% intervals,
+    and the ratio to dense."""
     tags = [t for t in ("dense", "pruned", "recovered") if m.get(f"{t}_ppl_domains")]
     if not tags:
         return []
     names = list(m[f"{tags[0]}_ppl_domains"])
-    lines = ["| domain | " + " | ".join(tags) + " | recovered / dense |", "|---" * (len(tags) + 2) + "|"]
+    lines = ["| domain (test) | " + " | ".join(tags) + " | recovered / dense |", "|---" * (len(tags) + 2) + "|"]
     for n in names:
-        vals = [m[f"{t}_ppl_domains"].get(n) for t in tags]
+        where = "domains" if n in (_fig(m, tags[0], "domains") or {}) else "unseen"
+        vals = [_fig(m, t, where, n) or {"value": m[f"{t}_ppl_domains"].get(n)} for t in tags]
         d, r = m.get("dense_ppl_domains", {}).get(n), m.get("recovered_ppl_domains", {}).get(n)
-        lines.append(f"| {n} | " + " | ".join(_fmt(v) for v in vals) + f" | {_fmt(r / d if d and r else None, 3)} |")
-    return lines + ["", "Unseen domains (`eval.domains`) are corpora the recovery never trained on.", ""]
+        lines.append(f"| {n} | " + " | ".join(format_interval(v) for v in vals)
+                     + f" | {_fmt(r / d if d and r else None, 3)} |")
+    return lines + ["", "Unseen domains (`eval.domains`) are corpora the recovery never trained on (test-only). "
+                    "Brackets: 95% bootstrap intervals over documents (docs/evaluation.md).", ""]
+
+
+def _generation_table(m: dict) -> list[str]:
+    tags = [t for t in ("dense", "pruned", "recovered") if m.get(f"{t}_generation")]
+    if not tags:
+        return []
+    g = {t: m[f"{t}_generation"] for t in tags}
+    lam = g[tags[0]]["lambada_last_word"]
+    lines = ["## Generation check", "", "| | " + " | ".join(tags) + " |", "|---" * (len(tags) + 1) + "|",
+             f"| LAMBADA last-word accuracy (%, {lam['n']} passages, ± stderr) | " + " | ".join(
+                 f"{100 * g[t]['lambada_last_word']['value']:.1f} ± {100 * g[t]['lambada_last_word']['stderr']:.1f}"
+                 for t in tags) + " |"]
+    for n in (2, 3):
+        lines.append(f"| distinct-{n} of greedy continuations ({g[tags[0]]['prompts']} test prompts, "
+                     f"{g[tags[0]]['new_tokens']} tokens) | " + " | ".join(_fmt(g[t][f"distinct_{n}"], 3)
+                                                                          for t in tags) + " |")
+    return lines + ["", "distinct-n: share of distinct n-grams in each continuation (1: no repetition).", ""]
 
 
 def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
@@ -106,21 +135,28 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         f"{100 * m['layer_fraction_removed']:.1f}% of the blocks, {100 * m['param_fraction_removed']:.1f}% "
         f"of the parameters).", "",
         *([f"Ran as: {describe(m['run'])}.", ""] if m.get("run") else []),
-        "| model | held-out perplexity | parameters | blocks | latency (ms/token) |",
-        "|---|---|---|---|---|",
-        *[f"| {n} | {_fmt(p)} | {_fmt(c)} | {l} | {_fmt(None if t is None else 1000 * t, 3)} |"
-          for n, p, c, l, t in rows],
+        "| model | test perplexity [95%] | validation perplexity [95%] | / dense (paired 95%) | parameters "
+        "| blocks | latency (ms/token) |",
+        "|---|---|---|---|---|---|---|",
+        *[f"| {n} | {format_interval(_fig(m, tag, 'test') or {'value': p})} | "
+          f"{format_interval(_fig(m, tag, 'validation'))} | "
+          f"{format_interval(_fig(m, tag, 'test_vs_dense', 'ratio'), 3)} "
+          f"| {_fmt(c)} | {l} | {_fmt(None if t is None else 1000 * t, 3)} |"
+          for (n, p, c, l, t), tag in zip(rows, ("dense", "pruned", "recovered"))],
         "",
-        f"Held-out text: {cfg.data.heldout_sequences} sequences of {cfg.data.seq_len} tokens from "
-        f"`{cfg.data.source}`, disjoint from the training documents.", "",
+        f"Test text: {cfg.data.heldout_sequences} sequences of {cfg.data.seq_len} tokens from `{cfg.data.source}` "
+        f"({_fmt((m.get('data') or {}).get('test_tokens'))} tokens); validation: {cfg.data.validation_sequences} "
+        "sequences; train, validation and test share no document, and nothing that trains or chooses reads "
+        "the test rows.", "",
         *_domain_table(m),
+        *_generation_table(m),
         "## Recovery", "",
         f"- method `{m.get('method')}`" + (f", preset `{m['preset']}`" if m.get("preset") else "")
         + f", learning rate {_fmt(m.get('lr'), 3)}, {_fmt(m.get('trainable_params'))} trainable parameters "
         f"(recovery ratio {100 * m.get('recovery_ratio', 0):.1f}% of the compact model)",
         f"- {m.get('train_steps')} steps, {_fmt(m.get('train_seconds'), 3)} s, "
         f"{_fmt(m.get('train_tokens_per_second'), 4)} tokens/s",
-        f"- final training {loss} {_fmt(m.get('final_train_loss'))}, held-out {_fmt(m.get('final_val_loss'))}",
+        f"- final training {loss} {_fmt(m.get('final_train_loss'))}, validation {_fmt(m.get('final_val_loss'))}",
         *_selection_line(m.get("keep_best")),
         (f"- fold: {m.get('merged_wrappers') or 'adapter'} modules folded, max abs difference "
          f"{_fmt(m.get('merge_max_abs_diff'), 3)} (relative {_fmt(m.get('merge_max_rel_diff'), 3)}); "

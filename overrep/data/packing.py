@@ -125,8 +125,11 @@ def _pack(
     seq_len: int,
     max_sequences: int | None,
     progress: bool,
-) -> tuple[torch.Tensor, int]:
-    """Pack ``docs`` into rows; returns ``(rows [N, seq_len], number of documents tokenised)``."""
+    units: bool = False,
+):
+    """Pack ``docs`` into rows; returns ``(rows [N, seq_len], number of documents tokenised)``,
+    and with ``units`` a third tensor ``[N, seq_len]``: the index in ``docs`` of the document
+    each token belongs to (its eos included), which a bootstrap over documents resamples by."""
     if seq_len < 1:
         raise OverRepError(f"seq_len must be at least 1, got {seq_len}")
     if max_sequences is not None and max_sequences < 1:
@@ -134,6 +137,7 @@ def _pack(
     eos = _eos_id(tokenizer)
     needed = None if max_sequences is None else max_sequences * seq_len
     ids: list[int] = []
+    owner: list[int] = []  # with units: the document of every token in ids
     used, partial = 0, False  # documents tokenised (wholly, or partly when the rows filled up)
     with tqdm(total=len(docs), unit="doc", desc="tokenising", disable=not progress) as bar:
         for batch in _batches(_pieces(docs)):
@@ -143,6 +147,8 @@ def _pack(
                                 return_attention_mask=False)["input_ids"]
             for row, (_, ends) in zip(encoded, batch):
                 ids.extend(row)
+                if units:
+                    owner.extend([used] * (len(row) + ends))
                 partial = not ends
                 if ends:
                     ids.append(eos)  # after every document, so the next one starts after an eos
@@ -162,6 +168,8 @@ def _pack(
             f"{len(docs)} documents give only {len(ids)} tokens, fewer than one sequence of {seq_len}"
         )
     packed = torch.tensor(ids[:rows * seq_len], dtype=torch.long).view(rows, seq_len)
+    if units:
+        return packed, used, torch.tensor(owner[:rows * seq_len], dtype=torch.long).view(rows, seq_len)
     return packed, used
 
 

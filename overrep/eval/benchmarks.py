@@ -83,7 +83,21 @@ _row("gsm8k", "generation", "GSM8K grade-school math (exact match)", "exact_matc
 _row("triviaqa", "generation", "TriviaQA open-domain QA (exact match)", "exact_match", 5,
      "trivia_qa/rc.nocontext/validation", "triviaqa/default.yaml")
 
+# Beyond the paper's suites: tasks on which a small model is above chance (docs/evaluation.md).
+_row("sciq", "extra", "SciQ science questions with a support paragraph", "acc", 0, "sciq/test", "sciq/sciq.yaml")
+_row("lambada_openai", "extra", "LAMBADA last-word prediction (OpenAI version; greedy accuracy)", "acc", 0,
+     "lambada_openai/test", "lambada/lambada_openai.yaml")
+
 SUITES: dict[str, list[str]] = {}
 for _b in BENCHMARKS.values():
     SUITES.setdefault(_b.suite, []).append(_b.name)
-"""The paper's benchmark suites, in table order (``reasoning``, ``generation``)."""
+"""The paper's benchmark suites, in table order (``reasoning``, ``generation``), and ``extra``."""
+
+SELECTIONS: dict[str, tuple[list[str], int]] = {
+    "rp": (["arc_easy", "hellaswag", "piqa", "sciq", "lambada_openai"], 1200),
+}
+"""Named task sets across suites, with their default documents per task. ``rp``: the tasks
+on which the dense embedded model (SmolLM2-135M) is clearly above chance, at a size whose
+standard error is at most 1.5 points (p(1-p)/n <= 0.015^2 needs n >= 1,112 at p = 0.5;
+SciQ has 1,000 offline documents, scored all, with p near 0.8) -- measured in
+docs/evaluation.md. RP over it is the retained performance the project reports."""

@@ -1,28 +1,28 @@
-"""Held-out perplexity by domain: the training mixture's own held-out rows, grouped by
-source, and text from domains the recovery never trained on.
+"""Perplexity of the test (and validation) rows, by domain, and of text from domains the
+recovery never trained on -- each figure with its 95% interval over documents.
 
-Per-domain numbers cost nothing extra: every held-out row is scored once, and the overall
-perplexity is the token-weighted combination of the domains' (all rows have one length).
+Per-domain numbers cost nothing extra: every row is scored once, per token, and summed per
+document (:func:`overrep.eval.intervals.by_document`); the overall perplexity is
+``exp(total NLL / total tokens)`` over the domains together.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..data.documents import load_documents
-from ..data.packing import pack_documents
-from ..data.documents import corpus_domain
+from ..data.documents import corpus_domain, load_documents
+from ..data.packing import _pack
 from ..data.text import mixture_parts
 from ..errors import OverRepError
-from ..model.perplexity import perplexity
+from ..model.perplexity import row_token_nll
+from .intervals import Scored, by_document
 
 
 def unseen_domain_rows(names: str | None, tokenizer, *, training_source: str, seq_len: int, rows: int,
-                       seed: int) -> dict[str, torch.Tensor]:
-    """``rows`` packed rows of each named corpus (e.g. ``"ptb,lambada"``); a corpus that is
-    part of the training source is refused (its text would not be unseen)."""
+                       seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{name: (rows [rows, seq_len], units)}`` for each named corpus (e.g. ``"ptb,lambada"``):
+    test-only text, packed from the corpus's documents in file order; a corpus whose domain
+    the training source covers is refused (its text would not be unseen)."""
     if not names:
         return {}
     trained = {corpus_domain(p): p for p in mixture_parts(training_source)}
@@ -35,33 +35,27 @@ def unseen_domain_rows(names: str | None, tokenizer, *, training_source: str, se
     out = {}
     for name in wanted:
         docs = load_documents(name, seed=seed)
-        out[name] = pack_documents(docs, tokenizer, seq_len, max_sequences=rows, progress=False)
+        packed, _, units = _pack(docs, tokenizer, seq_len, rows, False, units=True)
+        if packed.shape[0] < rows:
+            raise OverRepError(f"unseen corpus '{name}' yields only {packed.shape[0]} rows of {seq_len} tokens, "
+                               f"fewer than eval.domain_sequences = {rows}")
+        out[name] = (packed, units)
     return out
 
 
-def domain_perplexities(model, heldout: torch.Tensor, components: list[dict] | None,
-                        unseen: dict[str, torch.Tensor], *, desc: str = "perplexity",
-                        progress: bool = True) -> dict:
-    """``{"all": ppl of heldout, "domains": {source: ppl}, "unseen": {name: ppl}}``."""
-    groups = [(c["source"], heldout[c["heldout_rows"][0]:c["heldout_rows"][1]]) for c in components or []]
-    if not groups:
-        groups = [(None, heldout)]
-    domains, log_sum, rows = {}, 0.0, 0
-    for name, ids in groups:
-        ppl = perplexity(model, ids, desc=f"{desc} {name or ''}".strip(), progress=progress)
-        log_sum += math.log(ppl) * ids.shape[0]
-        rows += ids.shape[0]
-        if name is not None:
-            domains[name] = ppl
-    out = {"all": math.exp(log_sum / rows), "domains": domains}
-    out["unseen"] = {name: perplexity(model, ids, desc=f"{desc} {name}", progress=progress)
-                     for name, ids in unseen.items()}
-    return out
+def score_rows(model, rows: torch.Tensor, units: torch.Tensor, strata: torch.Tensor | None = None, *,
+               desc: str = "perplexity", progress: bool = False) -> Scored:
+    """Every row scored on its own, summed per document (``strata``: the domain of each row)."""
+    return by_document(row_token_nll(model, rows, desc=desc, progress=progress), units, strata)
 
 
-def require_finite(ppl: dict, whose: str) -> None:
-    """A one-line error when any perplexity of :func:`domain_perplexities` is NaN or infinite."""
-    values = [("all rows", ppl["all"]), *ppl["domains"].items(), *ppl["unseen"].items()]
-    bad = [(name, v) for name, v in values if not math.isfinite(v)]
-    if bad:
-        raise OverRepError(f"{whose} perplexity on {bad[0][0]} is {bad[0][1]}: its outputs are not finite")
+def row_strata(components: list[dict] | None, rows_key: str, n: int) -> tuple[torch.Tensor, list[str]]:
+    """The domain index of each of ``n`` rows of a mixture (``rows_key``: ``test_rows`` or
+    ``validation_rows`` of ``info["components"]``), and the domains' names."""
+    strata = torch.zeros(n, dtype=torch.long)
+    names = []
+    for i, c in enumerate(components or []):
+        a, b = c[rows_key]
+        strata[a:b] = i
+        names.append(c["source"])
+    return strata, names

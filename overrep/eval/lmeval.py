@@ -37,7 +37,7 @@ from pathlib import Path
 from ..errors import OverRepError
 from ..model.placement import input_device
 from .benchmarks import BENCHMARKS as TABLE
-from .benchmarks import SUITES
+from .benchmarks import SELECTIONS, SUITES
 from .harness import _command, _model_info, _run_benchmark, _quiet_libraries, library_versions, lm_eval_limit
 from .harness import paper_value, parse_metrics  # noqa: F401  (re-exported)
 from .results import RESULTS_FORMAT, default_output, format_table, load_results, suite_averages, write_results
@@ -51,7 +51,7 @@ PAPER_METRIC: dict[str, str] = {b.name: b.metric for b in TABLE.values()}
 """The metric the paper reports per benchmark (see :class:`overrep.eval.benchmarks.Benchmark`)."""
 PAPER_FEWSHOT: dict[str, int] = {b.name: b.fewshot for b in TABLE.values()}
 
-QUICK_LIMIT: dict[str, int] = {"reasoning": 200, "generation": 20}
+QUICK_LIMIT: dict[str, int] = {"reasoning": 200, "generation": 20, "extra": 200}
 """Documents per benchmark when ``limit="quick"`` (the default): a CPU-sized sample."""
 
 DEFAULT_BATCH_SIZE = 4
@@ -60,7 +60,7 @@ DEFAULT_BATCH_SIZE = 4
 __all__ = ["BENCHMARKS", "DEFAULT_BATCH_SIZE", "PAPER_FEWSHOT", "PAPER_METRIC", "QUICK_LIMIT", "RESULTS_FORMAT",
            "SUITES", "SUITE_OF", "default_output", "evaluate_benchmarks", "format_table", "library_versions",
            "lm_eval_limit", "load_results", "paper_value", "parse_metrics", "plan_benchmarks", "resolve_limit",
-           "resolve_tasks", "suite_averages", "write_results"]
+           "resolve_tasks", "selection_limit", "suite_averages", "write_results"]
 
 
 # --------------------------------------------------------------------------- task selection
@@ -85,14 +85,25 @@ def resolve_tasks(tasks) -> list[str]:
             chosen.update(BENCHMARKS)
         elif key in SUITES:
             chosen.update(SUITES[key])
+        elif key in SELECTIONS:
+            chosen.update(SELECTIONS[key][0])
         elif key in BENCHMARKS:
             chosen.add(key)
         elif key.endswith("_local") and key[:-len("_local")] in BENCHMARKS:
             chosen.add(key[:-len("_local")])
         else:
             raise OverRepError(f"unknown benchmark or suite '{item}'; choose from: all, {', '.join(SUITES)}, "
+                               f"{', '.join(SELECTIONS)}, "
                                f"{', '.join(BENCHMARKS)}")
     return [b for b in BENCHMARKS if b in chosen]
+
+
+def selection_limit(tasks, limit):
+    """``limit``, except that ``"quick"`` with a named selection among ``tasks`` (``rp``) means
+    the selection's own size (the largest, if several are named)."""
+    names = [t.strip().lower() for t in (tasks.split(",") if isinstance(tasks, str) else tasks or [])]
+    sizes = [SELECTIONS[n][1] for n in names if n in SELECTIONS]
+    return max(sizes) if sizes and isinstance(limit, str) and limit.lower() == "quick" else limit
 
 
 def resolve_limit(limit, benchmark: str) -> int | None:
@@ -211,6 +222,7 @@ def evaluate_benchmarks(
     """
     started = time.perf_counter()
     benchmarks = resolve_tasks(tasks)
+    limit = selection_limit(tasks, limit)
     limits = {b: resolve_limit(limit, b) for b in benchmarks}
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise OverRepError(f"num_fewshot must be a whole number >= 0, got {num_fewshot!r}")

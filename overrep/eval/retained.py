@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import OverRepError
 from ..model.perplexity import perplexity_windows as perplexity, sliding_windows  # noqa: F401  (one definition)
-from .benchmarks import BENCHMARKS, SUITES
+from .benchmarks import BENCHMARKS, SELECTIONS, SUITES
 from .results import load_results
 
 
@@ -42,6 +42,10 @@ def _describe_mismatch(p: dict, d: dict) -> str:
     return "not comparable (pruned vs dense " + "; ".join(diffs) + ")"
 
 
+def _points(stderr) -> float | None:
+    return None if stderr is None else 100 * float(stderr)
+
+
 def retained_performance(pruned_results, dense_results) -> dict:
     """RP per suite: pruned average / dense average x 100 over the benchmarks both evaluated.
 
@@ -55,7 +59,7 @@ def retained_performance(pruned_results, dense_results) -> dict:
     """
     pruned, dense = load_results(pruned_results), load_results(dense_results)
     out = {}
-    for suite, names in SUITES.items():
+    for suite, names in {**SUITES, **{k: v[0] for k, v in SELECTIONS.items()}}.items():
         present = [b for b in names if b in pruned["tasks"] or b in dense["tasks"]]
         if not present:
             continue
@@ -75,7 +79,8 @@ def retained_performance(pruned_results, dense_results) -> dict:
             else:
                 pv, dv = 100 * float(p["value"]), 100 * float(d["value"])
                 used[b] = {"pruned": pv, "dense": dv, "retained": (100 * pv / dv) if dv else None,
-                           "metric": p.get("metric") or BENCHMARKS[b].metric}
+                           "metric": p.get("metric") or BENCHMARKS[b].metric,
+                           "pruned_stderr": _points(p.get("stderr")), "dense_stderr": _points(d.get("stderr"))}
         pa = sum(v["pruned"] for v in used.values()) / len(used) if used else None
         da = sum(v["dense"] for v in used.values()) / len(used) if used else None
         out[suite] = {"rp": (100 * pa / da) if used and da else None, "pruned_average": pa, "dense_average": da,
@@ -84,11 +89,15 @@ def retained_performance(pruned_results, dense_results) -> dict:
 
 
 def format_retained(rp: dict) -> str:
-    lines = [f"{'benchmark':14s} {'metric':24s} {'pruned':>7s} {'dense':>7s} {'RP %':>7s}"]
+    def pm(value, se) -> str:
+        return f"{value:.1f}" + ("" if se is None else f" ± {se:.1f}")
+
+    lines = [f"{'benchmark':14s} {'metric':24s} {'pruned ± se':>12s} {'dense ± se':>12s} {'RP %':>7s}"]
     for suite, s in rp.items():
         for b, v in s["tasks"].items():
             ret = "-" if v["retained"] is None else f"{v['retained']:.1f}"
-            lines.append(f"{b:14s} {v['metric']:24s} {v['pruned']:7.1f} {v['dense']:7.1f} {ret:>7s}")
+            lines.append(f"{b:14s} {v['metric']:24s} {pm(v['pruned'], v.get('pruned_stderr')):>12s} "
+                         f"{pm(v['dense'], v.get('dense_stderr')):>12s} {ret:>7s}")
         if s["rp"] is None:
             lines.append(f"{suite}: RP undefined (no comparable benchmark)")
         else:
@@ -133,15 +142,15 @@ def recovery_ratio(metrics) -> dict:
 def heldout_perplexity(model, tokenizer, *, source: str | None = None, seq_len: int = 256,
                        stride: int | None = None, tokens: int = 256 * 48, seed: int = 42,
                        progress: bool = False) -> dict:
-    """Perplexity on held-out text: ``tokens`` tokens of the held-out side of ``source``
+    """Perplexity on held-out text: ``tokens`` tokens of the test split of ``source``
     (default: the embedded corpus) as one stream, scored with windows of ``seq_len``
     advancing by ``stride`` (see :func:`perplexity`)."""
     from ..data.text import EMBEDDED, token_splits
 
     rows = max(1, math.ceil(tokens / seq_len))
-    _, held, _, info = token_splits(source or EMBEDDED, tokenizer, seq_len=seq_len, train_sequences=1,
-                                 heldout_sequences=rows, seed=seed, progress=progress)
+    _, held, _, info, _ = token_splits(source or EMBEDDED, tokenizer, seq_len=seq_len, train_sequences=1,
+                                       test_sequences=rows, seed=seed, progress=progress)
     stream = held.reshape(-1)[:tokens]
     out = perplexity(model, stream, seq_len, stride, progress=progress)
-    out.update({"source": source or EMBEDDED, "heldout_fingerprint": info.get("heldout_fingerprint")})
+    out.update({"source": source or EMBEDDED, "test_fingerprint": info.get("test_fingerprint")})
     return out

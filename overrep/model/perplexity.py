@@ -97,3 +97,25 @@ def perplexity(model, ids: torch.Tensor, *, batch_size: int = 4, desc: str = "pe
     own (no context carried across rows): ``N * (T - 1)`` predicted tokens."""
     return perplexity_windows(model, ids, ids.shape[-1], batch_size=batch_size, progress=progress,
                               desc=desc)["perplexity"]
+
+
+@torch.no_grad()
+def row_token_nll(model, ids: torch.Tensor, *, batch_size: int = 4, progress: bool = False,
+                  desc: str = "perplexity") -> torch.Tensor:
+    """Next-token negative log-likelihood of every target of packed rows ``ids`` ``[N, T]``,
+    each row on its own: ``[N, T - 1]`` float64 (entry ``[r, t]`` scores token ``t + 1``).
+    ``exp(mean)`` is :func:`perplexity`; per-token values let an interval resample documents."""
+    if ids.dim() != 2 or ids.shape[1] < 2:
+        raise OverRepError(f"ids must be [N, T] with T >= 2, got shape {tuple(ids.shape)}")
+    device = input_device(model)
+    was_training = model.training
+    model.eval()
+    out = torch.empty(ids.shape[0], ids.shape[1] - 1, dtype=torch.float64)
+    try:
+        for i in tqdm(range(0, ids.shape[0], batch_size), desc=desc, unit="batch", disable=not progress, leave=False):
+            x = ids[i:i + batch_size].long().to(device)
+            logp = torch.log_softmax(model(input_ids=x, use_cache=False).logits.float(), dim=-1)
+            out[i:i + batch_size] = -logp[:, :-1].gather(-1, x[:, 1:, None])[..., 0].double().cpu()
+    finally:
+        model.train(was_training)
+    return out

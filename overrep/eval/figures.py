@@ -1,0 +1,155 @@
+"""A run's evaluation figures of one model, with intervals, and the cache that spares a
+repeated run the dense and unrecovered ones.
+
+What one model is scored on (:class:`EvalData`, built once per run by :func:`eval_data`):
+
+* the **validation** rows (perplexity only; the rows every choice reads),
+* the **test** rows of the training domains (perplexity overall and per domain),
+* the **unseen** corpora (test-only text from other domains),
+* the **generation check** (:mod:`overrep.eval.generation`): LAMBADA last-word accuracy and
+  distinct-n of greedy continuations of test-document starts.
+
+Scores are kept per document (:class:`overrep.eval.intervals.Scored`), so every perplexity
+gets its bootstrap interval and the pruned and recovered models a paired comparison with the
+dense one. The dense and the unrecovered model's scores depend only on (model, mask, data,
+protocol): :func:`model_figures` caches them under the cache root (``eval/``) keyed by those,
+so a second run with the same model, mask and data reads them back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..data.packing import tensor_fingerprint
+from ..errors import OverRepError
+from ..memo import digest, memoised
+from ..model.runtime import model_fingerprint
+from .generation import document_starts, lambada_passages, last_word_accuracy, repetition
+from .heldout import row_strata, score_rows
+from .intervals import RESAMPLES, Scored, paired_ratio, perplexity_interval
+
+PROTOCOL = "splits-v1: document-level bootstrap (1000, 95%), rows scored alone, fp32 logits"
+"""What a cached figure means; changing how figures are computed must change this string."""
+
+
+@dataclass
+class EvalData:
+    """Everything a model is scored on in a run (see the module docstring)."""
+
+    test: torch.Tensor
+    test_units: torch.Tensor
+    validation: torch.Tensor
+    validation_units: torch.Tensor
+    components: list[dict] | None = None
+    unseen: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    lambada: int = 0  # LAMBADA passages (0: no generation check)
+    prompts: int = 16
+    prompt_tokens: int = 16
+    new_tokens: int = 32
+
+    def fingerprint(self) -> dict:
+        return {"test": tensor_fingerprint(self.test), "test_units": tensor_fingerprint(self.test_units),
+                "validation": tensor_fingerprint(self.validation),
+                "unseen": {k: tensor_fingerprint(v[0]) for k, v in self.unseen.items()},
+                "generation": [self.lambada, self.prompts, self.prompt_tokens, self.new_tokens]}
+
+
+def eval_data(splits, unseen: dict, ev) -> EvalData:
+    """The run's :class:`EvalData` from its :class:`~overrep.data.splits.Splits`, unseen rows
+    and ``eval`` config section."""
+    return EvalData(splits.test, splits.units["test"], splits.validation, splits.units["validation"],
+                    splits.info.get("components"), unseen, ev.lambada_passages if ev.generation else 0,
+                    ev.generation_prompts, 16, ev.generation_tokens)
+
+
+def score(model, tokenizer, data: EvalData, *, desc: str = "", progress: bool = False) -> dict:
+    """Per-document scores of ``model`` (savable: tensors and plain values)."""
+    strata, _ = row_strata(data.components, "test_rows", data.test.shape[0])
+    out = {"test": score_rows(model, data.test, data.test_units, strata, desc=f"test {desc}",
+                              progress=progress).to_state()}
+    if data.validation.shape[0]:
+        vstrata, _ = row_strata(data.components, "validation_rows", data.validation.shape[0])
+        out["validation"] = score_rows(model, data.validation, data.validation_units, vstrata,
+                                       desc=f"validation {desc}", progress=progress).to_state()
+    out["unseen"] = {name: score_rows(model, rows, units, desc=f"{name} {desc}", progress=progress).to_state()
+                     for name, (rows, units) in data.unseen.items()}
+    if data.lambada:
+        prompts = document_starts(data.test, data.test_units, data.prompts, data.prompt_tokens)
+        out["generation"] = {"lambada_last_word": last_word_accuracy(model, tokenizer, lambada_passages(data.lambada)),
+                             **repetition(model, tokenizer, prompts, data.new_tokens)}
+    return out
+
+
+def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, mask: dict | None,
+                  root: Path | None, dense: dict | None = None, progress: bool = False) -> tuple[dict, dict]:
+    """``(metrics entries, scores)`` of one model; scores are read from / written to ``root``
+    (``None``: never cached, e.g. a recovered model) keyed by model, mask, data and protocol.
+
+    Metrics entries: ``{tag}_ppl`` (test perplexity), ``{tag}_ppl_domains`` (per test domain
+    and unseen corpus), ``{tag}_perplexity`` (``validation`` and ``test`` as ``{value, low,
+    high, tokens, documents}``, ``domains``, ``unseen`` and, given the dense scores,
+    ``test_vs_dense``: the paired ratio and difference) and ``{tag}_generation``.
+    """
+    def compute() -> dict:
+        return score(model, tokenizer, data, desc=tag, progress=progress)
+
+    if root is None:
+        scores = compute()
+    else:
+        key = {"model": model_fingerprint(model, source), "mask": mask, "dtype": str(model.dtype),
+               "data": data.fingerprint(), "protocol": PROTOCOL, "resamples": RESAMPLES}
+        scores = memoised(Path(root) / "eval" / f"{tag}-{digest(key)}.pt", compute, f"{tag} evaluation")[0]
+    test = Scored.from_state(scores["test"])
+    _, names = row_strata(data.components, "test_rows", data.test.shape[0])
+    validation = scores.get("validation")
+    fig = {"test": perplexity_interval(test),
+           "validation": perplexity_interval(Scored.from_state(validation)) if validation is not None else None,
+           "domains": {n: perplexity_interval(test.select(i)) for i, n in enumerate(names)},
+           "unseen": {n: perplexity_interval(Scored.from_state(s)) for n, s in scores["unseen"].items()}}
+    if dense is not None:
+        fig["test_vs_dense"] = paired_ratio(test, Scored.from_state(dense["test"]))
+    require_finite(fig, tag)
+    out = {f"{tag}_ppl": fig["test"]["value"], f"{tag}_perplexity": fig}
+    if fig["domains"] or fig["unseen"]:
+        out[f"{tag}_ppl_domains"] = {n: f["value"] for n, f in {**fig["domains"], **fig["unseen"]}.items()}
+    if "generation" in scores:
+        out[f"{tag}_generation"] = scores["generation"]
+    return out, scores
+
+
+def require_finite(fig: dict, tag: str) -> None:
+    """A one-line error when any perplexity of ``fig`` is NaN or infinite: a run never
+    finishes with a NaN in its figures."""
+    named = [("test rows", fig["test"]), ("validation rows", fig["validation"]), *fig["domains"].items(),
+             *fig["unseen"].items()]
+    for name, f in named:
+        if f is not None and not math.isfinite(f["value"]):
+            raise OverRepError(f"the {tag} model's perplexity on {name} is {f['value']}: its outputs are not finite")
+
+
+def model_benchmarks(model, tokenizer, *, tasks, limit, output: Path, source: str, mask: dict | None,
+                     root: Path | None, progress: bool = False) -> dict:
+    """:func:`overrep.eval.lmeval.evaluate_benchmarks` of one model, written to ``output``;
+    read back from ``root`` (``None``: never cached) when the same model, mask, tasks, limit
+    and library versions were scored before."""
+    import json
+
+    from .harness import library_versions
+    from .lmeval import evaluate_benchmarks, write_results
+
+    def compute() -> dict:
+        return {"json": json.dumps(evaluate_benchmarks(model, tokenizer, tasks=tasks, limit=limit, output=output,
+                                                       progress=progress))}
+
+    if root is None:
+        return json.loads(compute()["json"])
+    key = {"model": model_fingerprint(model, source), "mask": mask, "dtype": str(model.dtype), "tasks": tasks,
+           "limit": limit, "versions": library_versions()}
+    results = json.loads(memoised(Path(root) / "eval" / f"benchmarks-{digest(key)}.pt", compute, "benchmarks")[0]["json"])
+    if not Path(output).is_file():  # read back from the cache: the run folder still gets its file
+        write_results(output, {**results, "output": str(output)})
+    return results
