@@ -80,7 +80,7 @@ class Pipeline:
         self.budget: BudgetFit | None = None  # build_recovery: recovery.time_budget's decision
         self.recovery_started: float | None = None  # build_recovery: when the recovery (and a budget) started
         self.recovery = None  # build_recovery: the method's MethodRun
-        self.trainer = self.history = None  # train
+        self.trainer, self.history = None, []  # train
 
     # ---- stage 0: output folder ----------------------------------------------------
     def prepare_output(self) -> None:
@@ -277,7 +277,7 @@ class Pipeline:
         assert self.recovery is None, "the recovery is built once"
         self.recovery_started = t0 = time.perf_counter()  # a time budget counts from here
         r = self.cfg.recovery
-        if r.time_budget is not None and r.steps is None:
+        if r.time_budget is not None and r.steps is None and self.method.trains:  # (a closed form: no steps)
             self.budget = fit_budget(self.method, self.method_inputs(), cache_mode=self.cfg.cache.mode, started=t0,
                                      world=self.world, resumed_total=checkpointed_total(self.out) if self.resume
                                      else None, make_trainer=lambda objective: self.make_trainer(objective, False),
@@ -353,10 +353,11 @@ class Pipeline:
 
     def train(self) -> None:
         r = self.cfg.recovery
+        if not self.method.trains:  # a closed form, fitted when the method was set up
+            return self.metrics.update(train_steps=0, train_seconds=0.0)
         self.trainer = trainer = self.make_trainer()
-        costs = self.budget.costs if self.budget is not None else None
-        if costs is not None and trainer.step == 0:  # measured in this process: re-fit once it runs
-            trainer.deadline = Deadline(self.recovery_started + parse_duration(r.time_budget), costs,
+        if self.budget is not None and self.budget.costs is not None and trainer.step == 0:  # re-fit once it runs
+            trainer.deadline = Deadline(self.recovery_started + parse_duration(r.time_budget), self.budget.costs,
                                         r.eval_every, r.checkpoint_every)
         result = trainer.run()
         gather(self.recovery.objective)  # recovery.shard: fsdp -- full plain blocks again, for the merge
@@ -367,12 +368,11 @@ class Pipeline:
                 info["steps"], info["refit"] = trainer.total, trainer.refit
         if self.world.is_main:
             trainer.write_log(self.out / "train_log.jsonl")
-        self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds,
-                             "train_tokens": result.tokens, "train_tokens_per_second": result.tokens_per_second,
+        self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds, "train_tokens": result.tokens,
+                             "train_tokens_per_second": result.tokens_per_second, "keep_best": trainer.selected,
                              "final_train_loss": result.history[-1]["loss"] if result.history else None,
                              "final_val_loss": next((h["val_loss"] for h in reversed(result.history)
-                                                     if h.get("val_loss") is not None), None),
-                             "keep_best": trainer.selected})
+                                                     if h.get("val_loss") is not None), None)})
         self.history = result.history
 
     # ---- stage 5: fold back into the compact model and check -----------------------

@@ -17,6 +17,7 @@ from ..model.presets import get_preset
 from .losses import LossOptions
 from .methods import METHODS, Method
 from .methods.adapters import LoraOptions
+from .methods.closed_form import ClosedFormOptions
 from .methods.rankadaptor import RankAdaptorOptions
 from .methods.restorelcc import RestoreLCCOptions
 from .methods.whole_model import KDOptions
@@ -26,7 +27,7 @@ from .options import TrainingOptions
 # (bases listed last-first: a dataclass's fields follow its reversed MRO, so the shared
 # training options come first in config.yaml, then each method's)
 @dataclass
-class RecoveryConfig(RestoreLCCOptions, KDOptions, LossOptions, RankAdaptorOptions, LoraOptions, TrainingOptions):
+class RecoveryConfig(ClosedFormOptions, RestoreLCCOptions, KDOptions, LossOptions, RankAdaptorOptions, LoraOptions, TrainingOptions):
     """``recovery``: how the pruned model is recovered (one field per YAML key)."""
 
     @property
@@ -81,3 +82,4 @@ class RecoveryConfig(RestoreLCCOptions, KDOptions, LossOptions, RankAdaptorOptio
         self.check_kd()
         self.check_rankadaptor(train_sequences, searches=RankAdaptorOptions in self.method_entry.options)
         self.check_restorelcc()
+        self.check_closed_form(self.method_entry)

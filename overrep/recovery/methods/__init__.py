@@ -43,6 +43,7 @@ from ..losses import LossOptions
 from ..teacher import MethodInputs
 from .adapters import AdaLoraRun, AdapterRun, IsoLoraRun, LoraOptions, iso_rank, lora_params_per_rank, projection_names
 from .base import Method, MethodRun
+from .closed_form import ClosedFormOptions, ClosedFormRun, prepare as prepare_closed_form
 from .layerwise import LayerwiseRun
 from .rankadaptor import RankAdaptorOptions, RankAdaptorRun
 from .restorelcc import RestoreLCCOptions, RestoreLCCRun
@@ -80,6 +81,13 @@ for _m in [
            "language-model loss, merged as an o_proj bias", RestoreLCCRun, "lm", 1e-3, "lost-components",
            options=(RestoreLCCOptions,),
            block_removal_only="it pairs each retained block with the same dense block"),
+    Method("replaceme", "ReplaceMe: a linear map per removed run by least squares (robust to attention sinks: "
+           "recovery.closed_tokens), folded into the down_proj before it; no training", ClosedFormRun, "lstsq", 0.0,
+           "closed-form", options=(ClosedFormOptions,), trains=False, planned_account=False,
+           block_removal_only="it replaces a removed run of blocks"),
+    Method("replaceme-cos", "ReplaceMe's cosine variant: the same map by Adam on 1 - cos (recovery.closed_cos_*); "
+           "no training of the model", ClosedFormRun, "cosine", 0.0, "closed-form", options=(ClosedFormOptions,),
+           trains=False, planned_account=False, block_removal_only="it replaces a removed run of blocks"),
 ]:
     METHODS.register(_m)
 
@@ -92,7 +100,10 @@ def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = Tr
     """``method`` set up on ``inputs`` (``with_data=False``: without the preparation that needs
     training data and is not cached, e.g. a layer-wise method's feature cache, for ``overrep
     plan`` and re-exporting from checkpoints)."""
-    return method.run(inputs, method, with_data=with_data)
+    prepared = prepare_closed_form(inputs, method)  # recovery.compensate, recovery.warm_start (in place)
+    run = method.run(inputs, method, with_data=with_data)
+    run.prepared = prepared
+    return run
 
 
 __all__ = ["METHODS", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery",

@@ -39,6 +39,7 @@ class Method:
     block_removal_only: str | None = None  # why it cannot recover a width-pruned model (None: it can)
     width_lr: float | None = None  # its default learning rate on a width-pruned model (None: default_lr)
     planned_account: bool = True  # `overrep inspect` counts what trains from the plan (False: builds the method)
+    trains: bool = True  # False: a closed form, fitted when it is set up; the pipeline runs no training steps
 
 
 @torch.no_grad()
@@ -83,6 +84,8 @@ class MethodRun:
     #: whether this build ran it (False: read from its cache, so a rebuild pays nothing again)
     search_seconds: float = 0.0
     searched_now: bool = False
+    #: what ``recovery.compensate`` / ``recovery.warm_start`` did to the pruned model first
+    prepared: dict = {}
 
     def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
         # with_data=False: set up without the data-dependent preparation (a layer-wise
@@ -109,4 +112,5 @@ class MethodRun:
         return {}
 
     def describe(self) -> dict:
-        return {"method": self.method.name, "objective": self.method.objective, "family": self.method.family}
+        return {"method": self.method.name, "objective": self.method.objective, "family": self.method.family,
+                **self.prepared}
