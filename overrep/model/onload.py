@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import OverRepError
 from .arch import decoder_layers
-from .streaming import LAYERS_PREFIX, _Checkpoint, _fuse_experts, _give_freed_memory_back
+from .streaming import LAYERS_PREFIX, _Checkpoint, _give_freed_memory_back, named_like
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,7 @@ class _Onload:
         parameters (per-expert tensors fused as transformers fuses them)."""
         names = [n for n in self.ckpt.where if n.startswith(prefix)]
         tensors = {n[len(prefix):]: t for n, t in self.ckpt.read(names, self.dtype).items()}
-        expected = {n for n, _ in module.named_parameters()}
-        if set(tensors) != expected:
-            tensors = _fuse_experts(tensors)
-        if set(tensors) != expected:
-            missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-            raise OverRepError(f"cannot onload {prefix.rstrip('.')}: the checkpoint's names do not match the model's "
-                               f"(missing {missing[:3]}, unexpected {extra[:3]}); use cache.teacher: model")
-        return tensors
+        return named_like(module, tensors, f"cannot onload {prefix.rstrip('.')}")
 
 
 def is_onloaded(model: nn.Module) -> bool:

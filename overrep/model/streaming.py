@@ -141,15 +141,23 @@ def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:
-    """Assign ``tensors`` (names relative to ``module``) as its parameters, exactly."""
+def named_like(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """``tensors`` (a checkpoint's, names relative to ``module``) named as ``module``'s
+    parameters (per-expert tensors fused as transformers fuses them), or a one-line error
+    naming what does not match (``what``: e.g. "the streaming teacher cannot load model.layers.3")."""
     expected = {n for n, _ in module.named_parameters()}
     if set(tensors) != expected:
         tensors = _fuse_experts(tensors)
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise OverRepError(f"the streaming teacher cannot load {what}: its checkpoint names do not match the "
-                           f"model's (missing {missing[:3]}, unexpected {extra[:3]}); use the in-memory teacher")
+        raise OverRepError(f"{what}: the checkpoint's names do not match the model's (missing {missing[:3]}, "
+                           f"unexpected {extra[:3]}); use the in-memory teacher (cache.teacher: model)")
+    return tensors
+
+
+def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Assign ``tensors`` (names relative to ``module``) as its parameters, exactly."""
+    tensors = named_like(module, tensors, f"the streaming teacher cannot load {what}")
     module.load_state_dict(tensors, strict=False, assign=True)
 
 
