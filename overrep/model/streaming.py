@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import OverRepError
 from .arch import decoder_layers, final_norm
-from .hooks import NOT_CONTEXT, StopForward
+from .hooks import NOT_CONTEXT, StopForward, run_hooked
 from .surgery import RecoveryGroup
 
 LAYERS_PREFIX = "model.layers."
@@ -214,10 +214,7 @@ def stream_features(folder: str | Path, input_ids: torch.Tensor, groups: list[Re
     for i in range(0, input_ids.shape[0], batch):
         record: list = []
         model.model.layers = nn.ModuleList(_Recorder(j, record, last, real[j]) for j in range(len(real)))
-        try:
-            model(input_ids=input_ids[i:i + batch], use_cache=False)
-        except StopForward:
-            pass
+        run_hooked(model, [], input_ids=input_ids[i:i + batch], use_cache=False)  # the last _Recorder stops it
         records.append(record)
     model.model.layers = nn.ModuleList(real)
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..errors import OverRepError
 from ..model.arch import block_parts, decoder_layers
-from ..model.hooks import StopForward
+from ..model.hooks import StopForward, run_hooked
 from ..model.placement import input_device
 from ..model.surgery import PrunePlan, contiguous_runs
 
@@ -145,13 +145,7 @@ def _block_output(model: nn.Module, index: int, ids: torch.Tensor, down: nn.Line
         handles.append(layers[index].register_forward_pre_hook(out_hook, with_kwargs=True))
     else:
         handles.append(layers[index].register_forward_hook(out_hook, with_kwargs=True))
-    try:
-        model(input_ids=ids.to(input_device(model)), use_cache=False)
-    except StopForward:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, handles, input_ids=ids.to(input_device(model)), use_cache=False)
     return got["out"], got.get("m")
 
 

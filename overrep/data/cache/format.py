@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import os
 import re
 import struct
 import sys
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ...atomic import fsync_dir, temporary_sibling
+from ...atomic import fsync_dir, temporary_sibling, write_file
 from ...errors import OverRepError
 
 
@@ -98,32 +97,29 @@ def _remove_quietly(path: Path) -> None:
 
 
 def _atomic_write(final: Path, chunks: Iterator[memoryview | bytes], cache_dir: Path) -> tuple[int, str]:
-    """Write ``chunks`` to ``final`` via temp file + fsync + rename.
+    """Stream ``chunks`` into ``final`` through the project's one atomic writer
+    (:func:`overrep.atomic.write_file`: temp file, fsync, rename; removed on any failure).
 
-    Returns (size in bytes, sha256 hex digest). On any failure the temp file is removed
-    and ``final`` is left untouched; a full disk becomes the user-facing ENOSPC error.
+    Returns (size in bytes, sha256 hex digest). A full disk becomes the feature cache's own
+    message, which says how to run without a cache.
     """
-    tmp = _tmp_path(final)
     hasher = hashlib.sha256()
     size = 0
-    try:
+
+    def write(tmp: Path) -> None:
+        nonlocal size
         with open(tmp, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
                 hasher.update(chunk)
                 size += len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except OSError as exc:
-        _remove_quietly(tmp)
-        if _is_no_space(exc):
-            raise _no_space_error(cache_dir) from exc
-        raise OverRepError(f"could not write {final}: {exc.strerror or exc}") from exc
-    except BaseException:
-        _remove_quietly(tmp)
+
+    try:
+        write_file(final, write, "the feature cache file")
+    except OverRepError as exc:
+        if "no space left" in str(exc):
+            raise _no_space_error(cache_dir) from None
         raise
-    _fsync_dir(final.parent)
     return size, hasher.hexdigest()
 
 
