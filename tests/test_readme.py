@@ -181,14 +181,18 @@ PLANNED = re.compile(r"<!-- planner: (.*?) -->\n```\n(.*?)\n```", re.S)
 
 
 def test_readme_scaling_commands_are_what_the_planner_prints(capsys):
-    """Each command under a ``<!-- planner: ARGS -->`` marker is `overrep plan ARGS`'s command."""
+    """Each command under a ``<!-- planner: ARGS -->`` marker (README, docs/scaling.md) is
+    `overrep plan ARGS`'s command."""
     import json
 
     from overrep.app.cli import main
 
     found = PLANNED.findall(README.read_text())
     assert found, "the README shows no planner command"
+    scaling = PLANNED.findall((ROOT / "docs" / "scaling.md").read_text())
+    assert len(scaling) >= 5, "docs/scaling.md: the 1-GPU, 8-GPU and two-machine commands, 8B and 70B"
+    found += scaling
     for args, shown in found:
         assert main(["plan", *args.split(), "--json"]) == 0
         printed = json.loads(capsys.readouterr().out)["layout"]["command"]
-        assert shown.strip() == printed, f"README's command for `overrep plan {args}` is stale"
+        assert shown.strip() == printed, f"the documented command for `overrep plan {args}` is stale"
