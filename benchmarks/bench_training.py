@@ -52,6 +52,7 @@ The JSON result goes to stdout, progress to stderr.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -124,6 +125,9 @@ def flop_counter():
             lambda g, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(g, q, k, v)})
 
 
+_PIPELINES = itertools.count()
+
+
 def make_pipeline(args, case: str, preset: str | None = None, method: str = "overrep"):
     from overrep.app.config import RunConfig
     from overrep.app.pipeline import Pipeline
@@ -138,7 +142,8 @@ def make_pipeline(args, case: str, preset: str | None = None, method: str = "ove
         "data": {"source": args.data, "seq_len": args.seq_len, "heldout_sequences": 1,
                  "train_sequences": args.batch * (args.warmup + args.steps)},
         "cache": {"dir": str(work / "cache"), "mode": "live" if case == "overrep_live" else "disk"},
-        "output": str(work / f"run-{case}-{method}-{preset or PRESETS[case]}"),
+        # a folder per pipeline: each holds its folder's lock while this process lives
+        "output": str(work / f"run-{case}-{method}-{preset or PRESETS[case]}-{next(_PIPELINES)}"),
     })
     p = Pipeline(cfg, overwrite=True, progress=False)
     p.prepare_output()
