@@ -44,9 +44,10 @@ def run_cell(spec: str) -> dict:
     t0 = time.perf_counter()
     p = Pipeline(cfg, progress=False)
     p.prepare_output()
-    p.prepare(evaluate=("pruned",))
-    p.recover()
-    p.evaluate_model(p.pruned, "recovered")
+    with p.output_guard():  # the cell's folder is this pipeline's until the cell ends
+        p.prepare(evaluate=("pruned",))
+        p.recover()
+        p.evaluate_model(p.pruned, "recovered")
     shutil.rmtree(out.parent, ignore_errors=True)
     return {"cell": spec, "criterion": crit, "ratio": float(ratio), "method": method, "loss": loss,
             "steps": steps, "seed": seed, "extra": extra, "seq_len": seq_len, "train_sequences": train_seqs,
