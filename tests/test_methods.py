@@ -23,7 +23,7 @@ from tiny import run_killed_at, tiny_cfg, tiny_ids, tiny_model
 FAST = dict(eval__perplexity=False, eval__latency=False)
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", [m for m in METHODS if METHODS[m].family != "closed-form"])  # (test_closed_form)
 def test_every_method_exports_a_loadable_compact_model(assets, tmp_path, method):
     out = tmp_path / method
     m = Pipeline(tiny_cfg(assets, out, recovery__method=method, recovery__lora_rank=4, recovery__lr=None,

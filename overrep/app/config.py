@@ -43,7 +43,7 @@ class PruneConfig:
 
 @dataclass
 class RecoveryConfig:
-    method: str = "overrep"  # overrep | plain | streamline | lora | adalora | lora-iso | rankadaptor | full-ft | logit-kd | overrep-kd | restorelcc
+    method: str = "overrep"  # overrep | plain | streamline | lora | adalora | lora-iso | rankadaptor | full-ft | logit-kd | overrep-kd | restorelcc | replaceme | replaceme-cos
     preset: str = "hybrid"  # overrep / overrep-kd: built-in preset name (see `overrep presets`) or a preset .yaml file
     blocks: int | str = "auto"  # recovery blocks per removed run (block before it + blocks after it); "auto": 2 for a mask of one run, 1 for several separate runs (each measured better there: docs/results.md)
     # a module may extend into the model's final block and end at the final norm's output (the paper's
@@ -87,6 +87,15 @@ class RecoveryConfig:
     restorelcc_probe_rows: int = 8  # training rows (every token) the dense and pruned heads are compared and probed on
     restorelcc_probe: str = "gradient"  # head score: "gradient" (loss change of the edit to first order, one backward) | "edit" (measured, one forward per head)
     restorelcc_init_std: float = 1e-3  # std of the normal init of the magnitudes and the free component (the reference's; 0: start exactly at the pruned model)
+    # closed forms (docs/closed-forms.md): replaceme / replaceme-cos, recovery.warm_start, recovery.compensate
+    compensate: str = "none"  # any method but the layer-wise ones: "prunecomp" scales the stream before each gap by mean|X_after|/mean|X_before| (Prune&Comp, folded exactly) before the method starts | "none"
+    warm_start: str = "none"  # overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none"
+    closed_rows: int = 64  # training rows the closed forms are fitted on (streamed; never validation or held-out rows)
+    closed_tokens: str = "sinks+rms"  # tokens the fit counts: "all" (the published fit) or a +-joined subset of skip-first | sinks (RMS > 10x the row's median: attention sinks) | rms (each row divided by the target's RMS); chosen on validation rows, docs/closed-forms.md
+    closed_ridge: float = 1e-4  # least squares: ridge, relative to the mean diagonal of M^T M (the published fit: 0)
+    closed_cos_steps: int = 300  # replaceme-cos: Adam steps on 1 - cos
+    closed_cos_lr: float = 1e-3  # replaceme-cos: Adam learning rate
+    closed_cos_seconds: float | None = None  # replaceme-cos: stop after this many seconds (None: closed_cos_steps only)
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
     eval_every: int = 50  # steps between validation measurements (val_loss; val_ppl on data.validation_sequences rows)
     keep_best: bool = True  # end at the checkpoint of lowest val_ppl (among those that fold exactly: alpha = 0) when it beats the last step; needs validation rows
@@ -244,6 +253,9 @@ class RunConfig:
         from ..recovery.methods.restorelcc import check_config as check_restorelcc
 
         check_restorelcc(r, p.granularity)
+        from ..recovery.methods.closed_form import check_config as check_closed_form
+
+        check_closed_form(r, METHODS[r.method].family)
         if p.calibration_sequences < 1:
             raise OverRepError("prune.calibration_sequences must be >= 1")
         if d.seq_len < 8 or d.train_sequences < 1 or d.heldout_sequences < 1 or d.validation_sequences < 0:

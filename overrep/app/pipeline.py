@@ -70,9 +70,7 @@ class Pipeline(BudgetStages):
         self.cfg, self.resume, self.overwrite, self.reuse = cfg, resume, overwrite, reuse
         self.progress = progress and self.world.is_main
         self.out = Path(cfg.output)
-        self.metrics: dict = {}
-        self.timings: dict[str, float] = {}
-        self.benchmark_results: dict[str, dict] = {}
+        self.metrics, self.timings, self.benchmark_results = {}, {}, {}  # numbers, seconds per stage, lm-eval
 
     # ---- stage 0: output folder ----------------------------------------------------
     def prepare_output(self) -> None:
@@ -351,6 +349,9 @@ class Pipeline(BudgetStages):
 
     def train(self) -> None:
         r = self.cfg.recovery
+        if not self.recovery.trains:  # a closed form, fitted when the method was set up: nothing to train
+            self.history, self.metrics["train_steps"], self.metrics["train_seconds"] = [], 0, 0.0
+            return
         if r.time_budget is not None and r.steps is None and "time_budget" not in self.metrics:
             self.fit_time_budget()
         trainer = self.make_trainer()
@@ -402,14 +403,13 @@ class Pipeline(BudgetStages):
         ids = self.heldout_ids[:1].to(self.device)
         with torch.no_grad():
             d = (reloaded(ids).logits - self.pruned(ids).logits).abs().max().item()
-        self.metrics["export_reload_max_abs_diff"] = d
-        self.metrics["model_dir"] = str(path)
+        self.metrics.update(export_reload_max_abs_diff=d, model_dir=str(path))
         return path
 
     def export_pruned(self) -> Path:
         """The pruned model without recovery, as a loadable folder (a baseline)."""
-        provenance = {"overrep_version": __version__, "source_model": self.model_info,
-                      "removed_layers": list(self.plan.removed), "plan": self.plan.to_dict(), "method": "none",
+        provenance = {"overrep_version": __version__, "source_model": self.model_info, "method": "none",
+                      "removed_layers": list(self.plan.removed), "plan": self.plan.to_dict(),
                       "config": self.cfg.to_dict()}
         return export_model(self.pruned, self.tokenizer, self.out / "pruned-model", provenance, overwrite=True)
 

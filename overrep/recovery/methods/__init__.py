@@ -21,6 +21,9 @@ logit-kd       every retained block, all weights                     KL to dense
 overrep-kd     OverRep's recovery blocks                             KL to dense logits
 restorelcc     2 x head_dim vectors on the attention heads a probe   language modelling
                found pruning hurt most (RestoreLCC), merged as o bias
+replaceme      nothing: one linear map per removed run, fitted in       least squares (closed form)
+               closed form, folded into the block before it's down_proj
+replaceme-cos  nothing: the same map by Adam on the cosine distance     1 - cos (recovery.closed_cos_*)
 =============  ===============================================  ======================
 
 One module per family: :mod:`.layerwise` (overrep, plain, streamline), :mod:`.adapters`
@@ -42,6 +45,7 @@ from ...registry import Registry
 from ..teacher import MethodInputs
 from .adapters import AdapterRun, iso_rank, lora_params_per_rank, projection_names
 from .base import Method, MethodRun
+from .closed_form import ClosedFormRun, prepare as prepare_closed_form
 from .layerwise import LayerwiseRun
 from .rankadaptor import RankAdaptorRun, check_config as check_rankadaptor_config
 from .restorelcc import RestoreLCCRun
@@ -70,6 +74,10 @@ for _m in [
            "overcomplete-kd", "kd", 1e-3),
     Method("restorelcc", "RestoreLCC: lost-component vectors on the attention heads a probe found pruning hurt most, "
            "language-model loss, merged as an o_proj bias", "lost-components", "lm", 1e-3),
+    Method("replaceme", "ReplaceMe: a linear map per removed run by least squares (robust to attention sinks: "
+           "recovery.closed_tokens), folded into the down_proj before it; no training", "closed-form", "lstsq", 0.0),
+    Method("replaceme-cos", "ReplaceMe's cosine variant: the same map by Adam on 1 - cos (recovery.closed_cos_*); "
+           "no training of the model", "closed-form", "cosine", 0.0),
 ]:
     METHODS.register(_m)
 
@@ -82,7 +90,7 @@ def get_method(name: str) -> Method:
 
 #: The class that sets up each family of methods ...
 FAMILIES = {"layerwise": LayerwiseRun, "adapter": AdapterRun, "full": FullRun, "overcomplete-kd": OvercompleteKDRun,
-            "lost-components": RestoreLCCRun}
+            "lost-components": RestoreLCCRun, "closed-form": ClosedFormRun}
 #: ... and the methods that extend their family's class (an adapter whose ranks a search chooses first).
 RUN_CLASSES = {"rankadaptor": RankAdaptorRun}
 
@@ -92,7 +100,10 @@ def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = Tr
     training data and is not cached, e.g. a layer-wise method's feature cache, for ``overrep
     plan`` and re-exporting from checkpoints)."""
     cls = RUN_CLASSES.get(method.name) or FAMILIES[method.family]
-    return cls(inputs, method, with_data=with_data)
+    prepared = prepare_closed_form(inputs, method)  # recovery.compensate, recovery.warm_start
+    run = cls(inputs, method, with_data=with_data)
+    run.prepared = prepared
+    return run
 
 
 __all__ = ["METHODS", "FAMILIES", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery",

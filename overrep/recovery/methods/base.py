@@ -69,6 +69,10 @@ class MethodRun:
     #: whether this build ran it (False: read from its cache, so a rebuild pays nothing again)
     search_seconds: float = 0.0
     searched_now: bool = False
+    #: False: a training-free method (the pipeline skips training); :attr:`prepared`: what
+    #: ``recovery.compensate`` / ``recovery.warm_start`` did to the pruned model first
+    trains: bool = True
+    prepared: dict = {}
 
     def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
         # with_data=False: set up without the data-dependent preparation (a layer-wise
@@ -95,4 +99,5 @@ class MethodRun:
         return {}
 
     def describe(self) -> dict:
-        return {"method": self.method.name, "objective": self.method.objective, "family": self.method.family}
+        out = {"method": self.method.name, "objective": self.method.objective, "family": self.method.family}
+        return {**out, **self.prepared}

@@ -1,0 +1,97 @@
+"""Training-free methods (``replaceme``, ``replaceme-cos``) and what any method may apply to the
+pruned model before it starts: Prune&Comp's scale (``recovery.compensate``) and, for the
+layer-wise methods, a closed-form warm start (``recovery.warm_start``).
+
+``replaceme`` fits one linear map per removed run in closed form and folds it into the
+``down_proj`` of the block before the run (:mod:`overrep.recovery.closed_form`);
+``replaceme-cos`` fits it by Adam on the cosine distance. Neither trains the model: the
+pipeline records zero training steps and exports the compact model as it is.
+
+A warm start folds the same map into the pruned model *before* the layer-wise method wraps
+its recovery blocks, so OverRep, Plain and Streamline start from the fitted weights (block
+1 of each module is the block the map folds into). Prune&Comp's scale multiplies the
+stream before each gap; a layer-wise module is trained on the dense model's unscaled
+features and learns the gap itself, so there the scale is refused (it would not be the
+function the features describe).
+"""
+
+from __future__ import annotations
+
+import time
+
+from ...errors import OverRepError
+from ..closed_form import FitOptions, check_tokens, fit_and_fold
+from ..compensation import prunecomp
+from ..teacher import MethodInputs
+from .base import Method, MethodRun
+
+COMPENSATE = ("none", "prunecomp")
+#: closed forms a layer-wise method may start from (the fit each one is)
+WARM_STARTS = {"none": None, "replaceme": "lstsq", "replaceme-cos": "cosine"}
+
+
+def fit_options(r) -> FitOptions:
+    """The ``recovery.closed_*`` keys as :class:`FitOptions`."""
+    return FitOptions(rows=r.closed_rows, tokens=r.closed_tokens, ridge=r.closed_ridge, cos_steps=r.closed_cos_steps,
+                      cos_lr=r.closed_cos_lr, cos_seconds=r.closed_cos_seconds)
+
+
+def check_config(r, family: str) -> None:
+    """The closed-form keys of ``recovery`` (no model needed)."""
+    if r.compensate not in COMPENSATE:
+        raise OverRepError(f"recovery.compensate must be one of {', '.join(COMPENSATE)}, got '{r.compensate}'")
+    if r.warm_start not in WARM_STARTS:
+        raise OverRepError(f"recovery.warm_start must be one of {', '.join(WARM_STARTS)}, got '{r.warm_start}'")
+    if r.warm_start != "none" and family != "layerwise":
+        raise OverRepError(f"recovery.warm_start starts a layer-wise method (overrep, plain, streamline) from the "
+                           f"closed form; '{r.method}' is not one (for the closed form alone: --method replaceme)")
+    if r.compensate != "none" and family == "layerwise":
+        raise OverRepError(f"recovery.compensate scales the stream before each gap, but '{r.method}' learns the gap "
+                           "from unscaled dense features; use it with replaceme or a method trained end to end")
+    check_tokens(r.closed_tokens)
+    if r.closed_rows < 1 or r.closed_ridge < 0 or r.closed_cos_steps < 0 or r.closed_cos_lr <= 0:
+        raise OverRepError("recovery.closed_rows must be >= 1, closed_ridge >= 0, closed_cos_steps >= 0 and "
+                           "closed_cos_lr > 0")
+
+
+def prepare(inputs: MethodInputs, method: Method) -> dict:
+    """Apply ``recovery.compensate`` and ``recovery.warm_start`` to ``inputs.pruned`` in place;
+    what was done (empty: nothing)."""
+    r, out = inputs.config, {}
+    ids = inputs.train_ids
+    if r.compensate == "prunecomp":
+        t0 = time.perf_counter()
+        out["prunecomp"] = prunecomp(inputs.pruned, inputs.dense, inputs.plan, ids[:r.closed_rows],
+                                     tokens=r.closed_tokens)  # (only which tokens count)
+        out["prunecomp"]["seconds"] = time.perf_counter() - t0
+    kind = WARM_STARTS.get(r.warm_start)
+    if kind is not None and method.family == "layerwise":
+        out["warm_start"] = fit_and_fold(inputs.pruned, inputs.dense, inputs.plan, ids, fit_options(r), kind)
+    return out
+
+
+class ClosedFormRun(MethodRun):
+    """ReplaceMe: the map fitted and folded when the method is set up; nothing trains."""
+
+    trains = False
+
+    def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
+        super().__init__(inputs, method, with_data=with_data)
+        self.objective = None
+        self.fit: dict = {}
+        if with_data:
+            kind = "cosine" if method.name == "replaceme-cos" else "lstsq"
+            self.fit = fit_and_fold(self.model, inputs.dense, inputs.plan, inputs.train_ids, fit_options(inputs.config),
+                                    kind)
+
+    @property
+    def trainable_params(self) -> int:
+        return 0
+
+    def finish(self) -> dict:
+        return {"closed_form": self.fit} if self.fit else {}
+
+    def describe(self) -> dict:
+        r = self.inputs.config
+        return {**super().describe(), "closed_form": {"rows": r.closed_rows, "tokens": r.closed_tokens,
+                                                      "ridge": r.closed_ridge}}

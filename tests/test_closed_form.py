@@ -1,0 +1,183 @@
+"""Closed forms (ReplaceMe, Prune&Comp, LinearPatch) on planted problems and tiny models."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from overrep.app.pipeline import Pipeline
+from overrep.errors import OverRepError
+from overrep.model.arch import decoder_layers
+from overrep.model.surgery import plan_pruning, prune
+from overrep.recovery.closed_form import (FitOptions, NormalEquations, _block_output, down_projection, fit_and_fold,
+                                          fold_map, token_weights)
+from overrep.recovery.compensation import fold_scale, hadamard, linear_patch, prunecomp
+from overrep.recovery.methods import build_recovery, get_method
+
+from tiny import tiny_cfg, tiny_config, tiny_ids, tiny_model
+
+FAST = dict(eval__perplexity=False, eval__latency=False)
+
+
+def test_least_squares_solves_a_planted_map_and_ignores_zero_weight_outliers():
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(500, 12, generator=g, dtype=torch.float64)
+    t0 = torch.randn(12, 12, generator=g, dtype=torch.float64)
+    r = m @ t0
+    m[:5] *= 1e4  # "massive activations" whose targets disagree with the map
+    r[:5] = torch.randn(5, 12, generator=g, dtype=torch.float64) * 1e6
+    w = torch.ones(500, dtype=torch.float64)
+    w[:5] = 0
+    eq = NormalEquations(12, 12)
+    for i in range(0, 500, 64):  # streamed in batches: the same sums as all at once
+        eq.add(m[i:i + 64], r[i:i + 64], w[i:i + 64])
+    assert torch.allclose(eq.solve(0.0), t0, atol=1e-8)
+    plain = NormalEquations(12, 12)
+    plain.add(m, r, torch.ones(500, dtype=torch.float64))
+    assert (plain.solve(0.0) - t0).abs().max() > 1.0  # the unweighted fit is spent on the outliers
+
+
+def test_token_weights_leave_out_sinks_and_normalise_rows():
+    x = torch.ones(2, 6, 4)
+    x[:, 0] *= 100.0
+    w = token_weights(x, "sinks+rms")
+    assert (w[:, 0] == 0).all() and torch.allclose(w[:, 1:], torch.ones(2, 5, dtype=torch.float64))
+    assert (token_weights(x, "skip-first")[:, 0] == 0).all()
+    assert (token_weights(x, "all") == 1).all()
+    with pytest.raises(OverRepError):
+        token_weights(x, "all+rms")
+
+
+def test_folding_the_map_into_down_proj_equals_applying_it():
+    model = tiny_model("llama")
+    ids = tiny_ids(2, 16)
+    down = down_projection(decoder_layers(model)[2], 2)
+    y, m = _block_output(model, 2, ids, down)
+    t = torch.eye(32) + 0.1 * torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+    fold_map(down, t)
+    after, _ = _block_output(model, 2, ids)
+    assert torch.allclose(after, y - m + m @ t, atol=1e-5)
+
+
+def test_fit_reduces_the_gap_error_one_map_per_run():
+    dense = tiny_model("llama")
+    plan = plan_pruning(6, [2, 4], blocks=1)
+    ids = tiny_ids(8, 16)
+
+    def gap_error(model):
+        return sum((_block_output(model, plan.compact_index(a - 1), ids)[0]
+                    - _block_output(dense, b, ids)[0]).pow(2).sum().item() for a, b in [(2, 2), (4, 4)])
+
+    pruned = prune(copy.deepcopy(dense), plan)
+    before = gap_error(pruned)
+    info = fit_and_fold(pruned, dense, plan, ids, FitOptions(rows=8, tokens="all", ridge=0.0))
+    assert [r["block"] for r in info["runs"]] == [1, 3]
+    assert gap_error(pruned) < 0.75 * before  # (T = I, no map, is one of the candidates)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_prunecomp_scale_fold_is_exact(tied):
+    cfg = tiny_config("llama")
+    cfg.tie_word_embeddings, cfg.rms_norm_eps = tied, 1e-12  # eps is the fold's only inexact part
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = tiny_ids(2, 16)
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    scaled = copy.deepcopy(model)
+    fold_scale(scaled, 6, 2.5)  # the whole stream: logits must not change (tied head included)
+    with torch.no_grad():
+        out = scaled(ids, output_hidden_states=True)
+    assert torch.allclose(out.logits, ref.logits, atol=1e-4)
+    assert torch.allclose(out.hidden_states[3], 2.5 * ref.hidden_states[3], rtol=1e-5, atol=1e-6)
+    cut = copy.deepcopy(model)
+    fold_scale(cut, 3, 2.5)  # the stream entering block 3 is scaled, nothing before it changes direction
+    assert torch.allclose(_block_output(cut, 3, ids, before=True)[0],
+                          2.5 * _block_output(model, 3, ids, before=True)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_prunecomp_matches_the_gap_magnitude_and_linear_patch_hooks_come_off():
+    dense = tiny_model("llama")
+    plan = plan_pruning(6, [2, 3], blocks=1)
+    ids = tiny_ids(4, 16)
+    pruned = prune(copy.deepcopy(dense), plan)
+    info = prunecomp(pruned, dense, plan, ids)
+    before = _block_output(pruned, 1, ids)[0]
+    assert before.abs().mean().item() == pytest.approx(_block_output(dense, 3, ids)[0].abs().mean().item(), rel=1e-4)
+    assert len(info["scales"]) == 1
+    with torch.no_grad():
+        ref = pruned(ids).logits
+        handles = linear_patch(pruned, dense, plan, ids)
+        patched = pruned(ids).logits
+        for h in handles:
+            h.remove()
+        assert not torch.allclose(patched, ref) and torch.equal(pruned(ids).logits, ref)
+
+
+@pytest.mark.parametrize("n", [12, 72, 576, 896])
+def test_hadamard_is_orthonormal_with_equal_magnitudes(n):
+    h = hadamard(n)
+    assert torch.allclose(h @ h.T, torch.eye(n), atol=1e-5)
+    assert torch.allclose(h.abs(), torch.full_like(h, n ** -0.5))
+
+
+@pytest.mark.parametrize("method", ["replaceme", "replaceme-cos"])
+def test_replaceme_runs_end_to_end_without_training_and_reloads(assets, tmp_path, method):
+    out = tmp_path / method
+    m = Pipeline(tiny_cfg(assets, out, recovery__method=method, recovery__closed_rows=8, recovery__closed_cos_steps=5,
+                          eval__latency=False), progress=False).run()
+    assert m["train_steps"] == 0 and m["trainable_params"] == 0
+    assert m["closed_form"]["runs"][0]["block"] == 2 and m["recovered_ppl"] != m["pruned_ppl"]
+    assert m["export_reload_max_abs_diff"] < 1e-5
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert reloaded.config.num_hidden_layers == 4
+    assert json.loads((out / "model" / "overrep.json").read_text())["method"] == method
+
+
+def test_prunecomp_option_applies_before_a_method_and_is_recorded(assets, tmp_path):
+    m = Pipeline(tiny_cfg(assets, tmp_path / "pc", recovery__method="replaceme", recovery__compensate="prunecomp",
+                          recovery__closed_rows=8, **FAST), progress=False).run()
+    prov = json.loads((tmp_path / "pc" / "model" / "overrep.json").read_text())
+    assert m["train_steps"] == 0 and prov["recovery"]["prunecomp"]["scales"][0]["scale"] > 0
+
+
+@pytest.mark.parametrize("method", ["overrep", "streamline"])
+def test_warm_start_starts_from_the_fitted_weights(assets, tmp_path, method):
+    cfg = tiny_cfg(assets, tmp_path / "w", recovery__method=method, recovery__warm_start="replaceme",
+                   recovery__closed_rows=8, **FAST)
+    p = Pipeline(cfg, progress=False)
+    p.load(create_output=False)
+    p.prune()
+    fitted = copy.deepcopy(p.pruned)
+    fit_and_fold(fitted, p.dense, p.plan, p.train_ids, FitOptions(rows=8, tokens=cfg.recovery.closed_tokens,
+                                                                  ridge=cfg.recovery.closed_ridge))
+    want = down_projection(decoder_layers(fitted)[2], 2).weight
+    run = build_recovery(p.method_inputs(), get_method(method))
+    block = run.modules[0].blocks[0]
+    wrapped = block.mlp.down_proj
+    got = getattr(wrapped, "base_layer", wrapped).weight
+    assert torch.allclose(got, want, atol=1e-6)
+    assert run.prepared["warm_start"]["runs"][0]["block"] == 2
+    assert run.describe()["warm_start"]["kind"] == "lstsq"
+
+
+@pytest.mark.parametrize("over, words", [
+    (dict(recovery__method="lora", recovery__warm_start="replaceme"), "layer-wise"),
+    (dict(recovery__compensate="prunecomp"), "unscaled"),
+    (dict(recovery__closed_tokens="sinks+first"), "closed_tokens"),
+    (dict(recovery__compensate="yes"), "compensate"),
+])
+def test_bad_closed_form_settings_are_one_clear_error(assets, tmp_path, over, words):
+    with pytest.raises(OverRepError, match=words):
+        tiny_cfg(assets, tmp_path / "x", **over)
+
+
+def test_replaceme_refuses_a_run_that_starts_at_block_zero():
+    dense = tiny_model("llama")
+    plan = plan_pruning(6, [0, 1], blocks=1)
+    with pytest.raises(OverRepError, match="block 0"):
+        fit_and_fold(prune(copy.deepcopy(dense), plan), dense, plan, tiny_ids(2, 16), FitOptions(rows=2))
