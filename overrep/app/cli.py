@@ -116,7 +116,7 @@ def cmd_inspect(args) -> int:
                            block1_init=r.block1_init, final_block=r.final_block)
     acc.update(model=p.model_info["source"], method=p.method.name, criterion=cfg.prune.criterion,
                criterion_scores=p.selection.scores, total_steps=p.total_steps)
-    if p.method.family in ("adapter", "full"):  # what trains is not the recovery module
+    if p.method.family in ("adapter", "full", "closed-form"):  # what trains is not the recovery module
         p.prune()
         p.build_recovery(with_data=False)
         acc["trainable_params"] = p.recovery.trainable_params
@@ -350,6 +350,10 @@ def cmd_methods(args) -> int:
     print("layer-wise losses (recovery.loss; overrep, plain, streamline; A>B: A, then B from recovery.loss_switch):")
     for name, text in LOSSES.items():
         print(f"  {name:12s} {text}")
+    from ..recovery.methods.closed_form import COMPENSATE, WARM_STARTS
+
+    print(f"before a method starts: recovery.compensate {' | '.join(COMPENSATE)} (prunecomp: Prune&Comp's scale at "
+          f"each gap, folded exactly); recovery.warm_start {' | '.join(WARM_STARTS)} (overrep, plain, streamline)")
     print("pruning criteria (prune.criterion):")
     for name, c in CRITERIA.items():
         print(f"  {name:16s} {c.description}")

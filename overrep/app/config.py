@@ -91,7 +91,7 @@ class RecoveryConfig:
     compensate: str = "none"  # any method but the layer-wise ones: "prunecomp" scales the stream before each gap by mean|X_after|/mean|X_before| (Prune&Comp, folded exactly) before the method starts | "none"
     warm_start: str = "none"  # overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none"
     closed_rows: int = 64  # training rows the closed forms are fitted on (streamed; never validation or held-out rows)
-    closed_tokens: str = "sinks+rms"  # tokens the fit counts: "all" (the published fit) or a +-joined subset of skip-first | sinks (RMS > 10x the row's median: attention sinks) | rms (each row divided by the target's RMS); chosen on validation rows, docs/closed-forms.md
+    closed_tokens: str = "skip-first"  # tokens the fit counts: "all" (the published fit) or a +-joined subset of skip-first | sinks (RMS > 10x the row's median: attention sinks) | rms (each row divided by the target's RMS); chosen on validation rows, docs/closed-forms.md
     closed_ridge: float = 1e-4  # least squares: ridge, relative to the mean diagonal of M^T M (the published fit: 0)
     closed_cos_steps: int = 300  # replaceme-cos: Adam steps on 1 - cos
     closed_cos_lr: float = 1e-3  # replaceme-cos: Adam learning rate

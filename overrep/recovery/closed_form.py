@@ -53,7 +53,7 @@ class FitOptions:
     """How the map is fitted (``recovery.closed_*`` in the configuration)."""
 
     rows: int = 64  # calibration rows (training rows, never held-out or validation rows)
-    tokens: str = "sinks+rms"  # which tokens count and how much: a "+"-joined subset of TOKEN_PARTS
+    tokens: str = "skip-first"  # which tokens count and how much: a "+"-joined subset of TOKEN_PARTS
     ridge: float = 1e-4  # relative ridge: lambda = ridge * mean diagonal of M^T W M
     batch: int = 8  # rows per forward pass
     cos_steps: int = 300  # cosine variant: Adam steps
