@@ -25,9 +25,11 @@ def digest(obj: Any, length: int = 16) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:length]
 
 
-def tensor_digest(tensor) -> str:
-    """sha256 hex digest of a tensor's values (its raw bytes on the CPU)."""
-    return hashlib.sha256(tensor.cpu().numpy().tobytes()).hexdigest()
+def tensor_digest(tensor, length: int = 16) -> str:
+    """Short sha256 hex digest of a tensor's dtype, shape and values (to key caches)."""
+    h = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:length]
 
 
 def memoised(path: Path, compute: Callable[[], Any], what: str, *, valid: Callable[[Any], bool] = lambda got: True,

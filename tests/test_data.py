@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 import overrep.model.loading
 from overrep.data import text as data
 from overrep.errors import OverRepError
+from overrep.memo import tensor_digest
 
 VOCAB = 500
 EOS = 1  # id of "</s>"; word "tK" has id K + 2
@@ -266,9 +267,9 @@ def test_pack_errors(tok):
 
 def test_fingerprint_depends_on_values_and_shape():
     t = torch.arange(12)
-    assert data.tensor_fingerprint(t.view(3, 4)) == data.tensor_fingerprint(t.clone().view(3, 4))
-    assert data.tensor_fingerprint(t.view(3, 4)) != data.tensor_fingerprint(t.view(4, 3))
-    assert len(data.tensor_fingerprint(t)) == 16
+    assert tensor_digest(t.view(3, 4)) == tensor_digest(t.clone().view(3, 4))
+    assert tensor_digest(t.view(3, 4)) != tensor_digest(t.view(4, 3))
+    assert len(tensor_digest(t)) == 16
 
 
 # --------------------------------------------------------------------------- token_splits
@@ -295,7 +296,7 @@ def test_token_splits_three_ways_disjoint_by_document(tmp_path, tok):
     assert info["test_documents"] == 8 and info["validation_documents"] == 5
     assert info["train_tokens"] == 800 and info["test_tokens"] == 160 and info["validation_tokens"] == 96
     fps = {info[f"{k}_fingerprint"] for k in ("train", "validation", "test")}
-    assert len(fps) == 3 and info["test_fingerprint"] == data.tensor_fingerprint(test)
+    assert len(fps) == 3 and info["test_fingerprint"] == tensor_digest(test)
     # the three splits are the consecutive parts of one seeded shuffle, and share no document
     from overrep.data.packing import _permutation
 

@@ -7,7 +7,6 @@ overlaps training text; each side is packed into rows of exactly ``seq_len`` tok
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 from collections.abc import Iterator, Sequence
@@ -192,10 +191,3 @@ def pack_documents(
     """
     packed, _ = _pack(docs, tokenizer, seq_len, max_sequences, progress)
     return packed
-
-
-def tensor_fingerprint(tensor: torch.Tensor, length: int = 16) -> str:
-    """Short sha256 hex digest of a tensor's dtype, shape and values (to key caches)."""
-    digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-    digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:length]

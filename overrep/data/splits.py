@@ -25,7 +25,8 @@ import torch
 
 from ..errors import OverRepError
 from .documents import load_documents, official_sections
-from .packing import _eos_id, _pack, _permutation, tensor_fingerprint
+from ..memo import tensor_digest
+from .packing import _eos_id, _pack, _permutation
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +114,8 @@ def split_source(source: str, tokenizer, *, seq_len: int, train_sequences: int, 
         "train_sequences": int(train.shape[0]), "validation_sequences": int(validation.shape[0]),
         "test_sequences": int(test.shape[0]), "train_tokens": int(train.numel()),
         "validation_tokens": int(validation.numel()), "test_tokens": int(test.numel()),
-        "eos_token_id": _eos_id(tokenizer), "train_fingerprint": tensor_fingerprint(train),
-        "validation_fingerprint": tensor_fingerprint(validation), "test_fingerprint": tensor_fingerprint(test),
+        "eos_token_id": _eos_id(tokenizer), "train_fingerprint": tensor_digest(train),
+        "validation_fingerprint": tensor_digest(validation), "test_fingerprint": tensor_digest(test),
     }
     logger.info("data %s (%s): %d train, %d validation, %d test rows of %d tokens from %d / %d / %d documents",
                 source, how, info["train_sequences"], info["validation_sequences"], info["test_sequences"],
@@ -162,6 +163,6 @@ def split_mixture(parts: list[str], tokenizer, *, seq_len: int, train_sequences:
             "train_sequences": int(train.shape[0]), "validation_sequences": int(validation.shape[0]),
             "test_sequences": int(test.shape[0]), "train_tokens": int(train.numel()),
             "validation_tokens": int(validation.numel()), "test_tokens": int(test.numel()),
-            "eos_token_id": _eos_id(tokenizer), "train_fingerprint": tensor_fingerprint(train),
-            "validation_fingerprint": tensor_fingerprint(validation), "test_fingerprint": tensor_fingerprint(test)}
+            "eos_token_id": _eos_id(tokenizer), "train_fingerprint": tensor_digest(train),
+            "validation_fingerprint": tensor_digest(validation), "test_fingerprint": tensor_digest(test)}
     return Splits(train, test, validation, info, units)

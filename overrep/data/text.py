@@ -23,14 +23,14 @@ from ..errors import OverRepError
 from .documents import (EMBEDDED, EMBEDDED_FIELD, EMBEDDED_FILE, EMBEDDED_INSTALL_HINT, EMBEDDED_PACKAGE,
                         HF_DEFAULT_LIMIT, HF_PREFIX, HF_SHUFFLE_BUFFER, PACKAGE_CORPORA, TEXT_SUFFIXES,
                         embedded_corpus_path, load_documents)
-from .packing import PIECE_CHARS, pack_documents, split_documents, tensor_fingerprint
+from .packing import PIECE_CHARS, pack_documents, split_documents
 from .splits import Splits, split_mixture, split_source
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EMBEDDED", "EMBEDDED_FIELD", "EMBEDDED_FILE", "EMBEDDED_INSTALL_HINT", "EMBEDDED_PACKAGE",
            "HF_DEFAULT_LIMIT", "HF_PREFIX", "HF_SHUFFLE_BUFFER", "PACKAGE_CORPORA", "PIECE_CHARS", "TEXT_SUFFIXES",
-           "embedded_corpus_path", "load_documents", "pack_documents", "split_documents", "tensor_fingerprint",
+           "embedded_corpus_path", "load_documents", "pack_documents", "split_documents",
            "token_splits", "mixture_parts", "Splits"]
 
 

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..data.packing import tensor_fingerprint
 from ..errors import OverRepError
-from ..memo import digest, memoised
+from ..memo import digest, memoised, tensor_digest
 from ..model.runtime import model_fingerprint
 from .generation import document_starts, lambada_passages, last_word_accuracy, repetition
 from .heldout import row_strata, score_rows
@@ -52,9 +51,9 @@ class EvalData:
     new_tokens: int = 32
 
     def fingerprint(self) -> dict:
-        return {"test": tensor_fingerprint(self.test), "test_units": tensor_fingerprint(self.test_units),
-                "validation": tensor_fingerprint(self.validation),
-                "unseen": {k: tensor_fingerprint(v[0]) for k, v in self.unseen.items()},
+        return {"test": tensor_digest(self.test), "test_units": tensor_digest(self.test_units),
+                "validation": tensor_digest(self.validation),
+                "unseen": {k: tensor_digest(v[0]) for k, v in self.unseen.items()},
                 "generation": [self.lambada, self.prompts, self.prompt_tokens, self.new_tokens]}
 
 

@@ -77,7 +77,7 @@ from pathlib import Path
 import torch
 
 from ...atomic import write_json
-from ...data.packing import tensor_fingerprint
+from ...memo import tensor_digest
 from ...errors import OverRepError
 from ...model.runtime import digest
 from ..budget import parse_duration
@@ -382,7 +382,7 @@ def search_path(inputs: MethodInputs) -> tuple[Path, str]:
     """Where the search on ``inputs`` is cached, and its key."""
     r = inputs.config
     key = digest({"version": VERSION, "teacher": inputs.teacher.fingerprint,
-                  "train": tensor_fingerprint(inputs.train_ids), "recovery": {k: getattr(r, k) for k in PROBE_FIELDS}})
+                  "train": tensor_digest(inputs.train_ids), "recovery": {k: getattr(r, k) for k in PROBE_FIELDS}})
     return Path(inputs.teacher.cache_root) / "rankadaptor" / f"{key}.json", key
 
 
