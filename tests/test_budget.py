@@ -50,7 +50,16 @@ def test_explicit_steps_take_precedence_over_a_budget(assets, tmp_path):
     assert m["train_steps"] == 3 and "time_budget" not in m
 
 
-def test_budgeted_run_fixes_its_steps_and_completes_its_schedules(assets, tmp_path):
+def no_deadline_stop(monkeypatch):
+    """For the tests of the step plan: a tiny model's step times vary too much for its plan to
+    land on the deadline, and stopping there is tested on its own below."""
+    from overrep.recovery.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "past_deadline", lambda self: False)
+
+
+def test_budgeted_run_fixes_its_steps_and_completes_its_schedules(assets, tmp_path, monkeypatch):
+    no_deadline_stop(monkeypatch)
     out = tmp_path / "budget"
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
                    recovery__time_budget="20s")
@@ -104,6 +113,7 @@ def test_a_short_budget_caches_only_the_rows_it_trains_on(assets, tmp_path, monk
 def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, monkeypatch):
     """Killed after its second step, the budgeted run resumes with the step count and the
     rows from its checkpoint (no new measurement) and ends where an unbroken run ends."""
+    no_deadline_stop(monkeypatch)
     import torch
     from safetensors.torch import load_file
 
@@ -142,6 +152,7 @@ def test_the_deadline_refits_steps_to_the_observed_step_time():
 def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path, monkeypatch):
     """The probe claims 0.5 s a step; the real steps are far faster, so after a few of them
     the run takes more steps, on the rows it cached, and still ends its schedules."""
+    no_deadline_stop(monkeypatch)
     from overrep.recovery.trainer import Trainer
 
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.5, 0.0, 0.0, anneal=0.5))
@@ -164,6 +175,7 @@ def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path
 def test_a_budget_is_fitted_once_and_no_stage_runs_twice(assets, tmp_path, monkeypatch, method):
     """The fit measures a copy of the pruned model between pruning and the method's set-up:
     the model is pruned once, the method built once for the measurement and once to train."""
+    no_deadline_stop(monkeypatch)
     import overrep.app.budgeting as budgeting
     import overrep.app.pipeline as pipeline
     from overrep.recovery.trainer import Trainer
@@ -185,3 +197,22 @@ def test_a_budget_is_fitted_once_and_no_stage_runs_twice(assets, tmp_path, monke
     m = Pipeline(cfg, progress=False).run()
     assert calls == {"prune": 1, "probe": 1, "build": 1, "measure": 1}
     assert m["time_budget"]["steps"] == m["train_steps"] >= 1
+
+
+def test_a_budgeted_run_stops_at_its_deadline_and_still_folds(assets, tmp_path, monkeypatch):
+    """When the machine slows down after the step count was fixed, training stops at the
+    deadline (the cell is scored at its budget, not after it); the α schedule still ends at 0,
+    so the module folds exactly, and ``metrics.json`` says where it stopped."""
+    from overrep.recovery.trainer import Trainer
+
+    import overrep.app.budgeting as budgeting
+
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.001, 0.0, 0.0))
+    monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 100_000)  # far more steps than 4 s allow
+    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 100_000)
+    m = Pipeline(tiny_cfg(assets, tmp_path / "run", eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                          recovery__time_budget="4s", recovery__checkpoint_every=1000), progress=False).run()
+    tb = m["time_budget"]
+    assert tb["stopped_at_step"] is not None and m["train_steps"] == tb["stopped_at_step"] < 100_000
+    assert tb["used_seconds"] < 4.0 + 3.0  # the step that crossed the deadline, then the final bookkeeping
+    assert m["merge_max_rel_diff"] <= 1e-5 and m["train_flops"] > 0

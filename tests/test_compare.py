@@ -161,7 +161,8 @@ def test_duration_grid_reports_the_spread_over_seeds(assets, tmp_path):
     assert sorted((r["seed"], r["budget"], r["budget_seconds"]) for r in rows) == [(0, "6s", 6.0), (1, "6s", 6.0)]
     for r in rows:
         m = json.loads((tmp_path / "grid" / "cells" / r["cell"].split("/")[-1] / "metrics.json").read_text())
-        assert m["time_budget"]["seconds"] == 6.0 and m["train_steps"] == m["time_budget"]["steps"] >= 1
+        tb = m["time_budget"]  # the planned steps, or fewer where the deadline passed first
+        assert tb["seconds"] == 6.0 and m["train_steps"] == (tb["stopped_at_step"] or tb["steps"]) >= 1
     text = (out / "results.md").read_text()
     assert "wall-clock budget 6s" in text and "Over seeds: overrep" in text and "(n=2" in text
     assert (out / "plots" / "perplexity_vs_budget.png").stat().st_size > 0
@@ -174,3 +175,66 @@ def test_duration_grid_reports_the_spread_over_seeds(assets, tmp_path):
 def test_bad_budgets_and_seeds(assets, tmp_path, over, msg):
     with pytest.raises(OverRepError, match=msg):
         CompareConfig.load(grid_file(assets, tmp_path, **over))
+
+
+def test_variants_plans_and_closed_forms_in_one_grid(assets, tmp_path):
+    """A variant is a method with settings of its own; ``plans`` picks (criterion, ratio) pairs;
+    a closed form runs once per plan as the 0-second row of every budget's table; every row
+    carries the protocol's figures (interval, seconds used, FLOPs)."""
+    config = grid_file(assets, tmp_path, methods=["overrep", "overrep-warm", "replaceme"], budgets=["6s"],
+                       variants={"overrep-warm": {"method": "overrep", "recovery": {"warm_start": "replaceme",
+                                                                                     "closed_rows": 4}}},
+                       plans=[["last", 0.3]])
+    cfg = CompareConfig.load(config)
+    assert cfg.pairs() == [("last", 0.3)] and cfg.trains("overrep-warm") and not cfg.trains("replaceme")
+    assert Compare(cfg).plan_cells() == 2 + 1
+    assert main(["compare", "--config", config, "--quiet"]) == 0
+    out = tmp_path / "grid"
+    rows = {(r["method"], r["budget"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {("overrep", "6s"), ("overrep-warm", "6s"), ("replaceme", "0s")}
+    assert all(r["status"] == "ok" for r in rows.values())
+    warm = yaml.safe_load((out / "cells" / rows[("overrep-warm", "6s")]["cell"].split("/")[-1] / "config.yaml")
+                          .read_text())
+    assert warm["recovery"]["warm_start"] == "replaceme" and warm["recovery"]["method"] == "overrep"
+    for key in ("overrep", "6s"), ("overrep-warm", "6s"):
+        r = rows[key]
+        assert r["ppl_low"] <= r["ppl"] <= r["ppl_high"] and r["train_flops"] > 0 and r["feature_flops"] > 0
+        assert 0 < r["used_seconds"] <= 6.0 * 1.5 and r["machine"] and r["precision"]
+    assert rows[("replaceme", "0s")]["steps"] == 0 and rows[("replaceme", "0s")]["closed_form_seconds"] > 0
+    # the cells share the grid's dense / unrecovered figures and criterion scores
+    assert (out / "cache" / "eval").is_dir() and any((out / "cache" / "eval").iterdir())
+    text = (out / "results.md").read_text()
+    assert "| replaceme | 0 |" in text and "(fit)" in text and "Machine and precision:" in text
+
+
+def test_criteria_on_the_command_line_pick_from_the_plans(assets, tmp_path):
+    config = grid_file(assets, tmp_path, plans=[["last", 0.3], ["cosine", 0.3], ["last", 0.5]])
+    assert CompareConfig.load(config, {"criteria": ["last"]}).pairs() == [("last", 0.3), ("last", 0.5)]
+    assert CompareConfig.load(config, {"ratios": ["0.3"]}).pairs() == [("last", 0.3), ("cosine", 0.3)]
+    with pytest.raises(OverRepError, match="leave none of the config's plans"):
+        CompareConfig.load(config, {"criteria": ["block-influence"]})
+
+
+@pytest.mark.parametrize("over, msg", [
+    ({"variants": {"x": {"method": "nope"}}}, "variant 'x' needs 'method:'"),
+    ({"variants": {"lora": {"method": "overrep"}}}, "has the name of a method"),
+    ({"plans": [["last"]]}, "list of \\[criterion, ratio\\] pairs"),
+])
+def test_bad_variants_and_plans(assets, tmp_path, over, msg):
+    with pytest.raises(OverRepError, match=msg):
+        CompareConfig.load(grid_file(assets, tmp_path, **over))
+
+
+def test_into_writes_the_tables_between_the_markers_of_a_page(assets, tmp_path):
+    config = grid_file(assets, tmp_path, methods=["plain"], budgets=["epochs"])
+    page = tmp_path / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text("# Page\n\nbefore\n\n<!-- compare: results -->\nold table\n<!-- /compare -->\n\nafter\n")
+    assert main(["compare", "--config", config, "--quiet", "--into", str(page)]) == 0
+    text = page.read_text()
+    assert "old table" not in text and text.startswith("# Page\n\nbefore\n") and text.endswith("\nafter\n")
+    assert f"Written by `overrep compare --config {config} --into {page}`" in text and "| plain | 0 |" in text
+    assert (page.parent / "img" / "page-perplexity.png").stat().st_size > 0 and "](img/page-perplexity.png)" in text
+    page.write_text("no markers\n")
+    assert main(["compare", "--config", config, "--quiet", "--into", str(page)]) == 2
+    assert page.read_text() == "no markers\n"

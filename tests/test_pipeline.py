@@ -231,6 +231,12 @@ def test_a_run_default_module_ends_before_the_final_block(assets, tmp_path):
     assert recovery_account(config, [3, 4])["trainable_params"] == paper["trainable_params"]
 
 
+def test_the_unrecovered_model_gets_every_figure_with_eval_unrecovered_all(assets, tmp_path):
+    m = Pipeline(tiny_cfg(assets, tmp_path / "run", eval__latency=False, eval__unrecovered="all"),
+                 progress=False).run()
+    assert set(m["pruned_perplexity"]["unseen"]) == {"lambada", "sciq"} and "lambada_last_word" in m["pruned_generation"]
+
+
 def test_metrics_carry_validation_and_test_intervals_and_three_fingerprints(assets, tmp_path, caplog):
     out = tmp_path / "run"
     Pipeline(tiny_cfg(assets, out, eval__latency=False), progress=False).run()
@@ -240,7 +246,11 @@ def test_metrics_carry_validation_and_test_intervals_and_three_fingerprints(asse
         for split in ("validation", "test"):
             f = fig[split]
             assert f["low"] <= f["value"] <= f["high"] and f["tokens"] > 0, (tag, split)
-        assert fig["test"]["value"] == m[f"{tag}_ppl"] and set(fig["unseen"]) == {"lambada", "sciq"}
+        assert fig["test"]["value"] == m[f"{tag}_ppl"]
+        if tag == "pruned":  # eval.unrecovered: test -- the baseline on test and validation rows only
+            assert fig["unseen"] == {} and "pruned_generation" not in m
+            continue
+        assert set(fig["unseen"]) == {"lambada", "sciq"}
         gen = m[f"{tag}_generation"]
         assert 0 <= gen["lambada_last_word"]["value"] <= 1 and gen["lambada_last_word"]["n"] == 8
         assert 0 < gen["distinct_2"] <= 1

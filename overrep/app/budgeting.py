@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 
 from ..distributed import World
+from ..model.arch import decoder_layers
+from ..model.flops import blocks_macs
 from ..recovery.budget import StepCosts, fit_steps, parse_duration
 from ..recovery.methods import Method, MethodInputs, build_recovery
 from ..recovery.teacher import PROBE_ROWS
@@ -97,3 +99,18 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         rows = info["rows"] = StepCosts(0, 0, 0, rows_per_step=per_step, max_rows=inputs.train_ids.shape[0],
                                         passes=r.budget_passes).rows(total)
     return BudgetFit(total, rows, costs, info)
+
+
+def compute_spent(p, trainer) -> dict:
+    """The compute a run's recovery spent, for ``metrics.json``: ``train_flops`` (a step's
+    count, :meth:`~overrep.recovery.trainer.Trainer.count_flops`, times the steps trained; a
+    live teacher's forward is inside the steps) and ``feature_flops`` (the dense forward passes that cached
+    the training rows' features: ``2 x MACs`` per token up to the last block a module needs)."""
+    out = {"train_flops": trainer.flops_per_step * trainer.step if trainer.flops_per_step else None,
+           "feature_flops": None}
+    if p.method.needs_features and p.teacher is not None and p.teacher.cache is not None:
+        last = max(g.target_layer for g in p.plan.groups)
+        seq_len = p.cfg.data.seq_len
+        per_token = 2 * blocks_macs(decoder_layers(p.dense)[:last + 1], p.dense.config, seq_len)
+        out["feature_flops"] = float(per_token * p.train_ids.shape[0] * seq_len)
+    return out

@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "overrides the file")
     c.add_argument("--seeds", help="comma-separated recovery seeds (every cell once per seed), overrides the file")
     c.add_argument("--no-benchmarks", action="store_true", help="held-out perplexity only (skip lm-eval RP)")
+    c.add_argument("--into", metavar="DOC", help="also write the tables into DOC (a markdown page), between its "
+                                                 "'<!-- compare: results -->' and '<!-- /compare -->' lines, and "
+                                                 "the plots beside it (img/)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 

@@ -270,7 +270,19 @@ def cmd_compare(args) -> int:
     failed = [r for r in results["rows"] if r.get("status") != "ok"]
     print(f"{len(results['rows']) - len(failed)} cells ok, {len(failed)} failed")
     print(f"table: {cfg.output}/results.md   numbers: {cfg.output}/results.json")
+    if args.into:
+        from .compare_report import write_into
+
+        print(f"tables and plots written into {write_into(Path(args.into), Path(cfg.output), results, _compare_command(args))}")
     return 1 if failed else 0
+
+
+def _compare_command(args) -> str:
+    """The ``overrep compare`` command line that wrote a page's tables (for the page)."""
+    parts = ["overrep compare"] + [f"--{k.replace('_', '-')} {v}" for k in ("config", "methods", "criteria", "ratios",
+                                                                          "budgets", "seeds", "output", "into")
+                                   if (v := getattr(args, k))]
+    return " ".join(parts + (["--no-benchmarks"] if args.no_benchmarks else []))
 
 
 def cmd_methods(args) -> int:

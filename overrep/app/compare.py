@@ -9,8 +9,11 @@ One YAML file describes the grid::
     methods: [overrep, plain, streamline, lora, adalora, lora-iso, full-ft, logit-kd, overrep-kd]
     criteria: [last]
     ratios: [0.25, 0.5]
+    plans: [[cosine, 0.25], [last, 0.5]]   # optional: these (criterion, ratio) pairs, not criteria x ratios
     budgets: [epochs, wallclock, 5m, 10m]
     seeds: [0, 1, 2]          # optional (default [0]): every cell once per recovery seed
+    variants:                 # optional: a method with settings of its own, listed in methods by name
+      overrep-warm: {method: overrep, recovery: {warm_start: replaceme}}
     benchmarks: {tasks: [arc_easy, piqa], limit: 100}     # optional (null: perplexity only)
     output: runs/compare
 
@@ -50,89 +53,18 @@ import logging
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from ..yamlio import read_yaml
+from .compare_config import FREE, CompareConfig, deep_update, budget_seconds
 from .config import RunConfig
 from ..errors import OverRepError
 from ..memo import digest
 from ..atomic import write_json
-from ..recovery.budget import parse_duration
-from ..recovery.methods import METHODS
 
 log = logging.getLogger(__name__)
-
-BUDGETS = ("epochs", "wallclock")  # and durations ("5m", "600s"): see budget_seconds
-
-
-def budget_seconds(budget: str) -> float | None:
-    """The wall-clock of a duration budget; None for ``epochs`` and ``wallclock``."""
-    return None if budget in BUDGETS else parse_duration(budget, "compare budget")
-
-
-@dataclass
-class CompareConfig:
-    base: dict = field(default_factory=dict)
-    methods: list = field(default_factory=lambda: ["overrep", "plain", "lora"])
-    criteria: list = field(default_factory=lambda: ["last"])
-    ratios: list = field(default_factory=lambda: [0.25])
-    budgets: list = field(default_factory=lambda: ["epochs"])
-    seeds: list = field(default_factory=lambda: [0])  # recovery.seed of every cell (spread over seeds)
-    reference: str = "overrep"
-    benchmarks: dict | None = None  # {"tasks": [...], "limit": N}
-    output: str = "runs/compare"
-
-    @classmethod
-    def load(cls, path: str | Path | None, overrides: dict | None = None) -> "CompareConfig":
-        data = read_yaml(path, "compare config") if path is not None else {}
-        data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise OverRepError(f"unknown compare field '{unknown[0]}'; known: {', '.join(sorted(known))}")
-        cfg = cls(**data)
-        cfg.validate()
-        return cfg
-
-    def validate(self) -> None:
-        for name in ("methods", "criteria", "ratios", "budgets", "seeds"):
-            value = getattr(self, name)
-            if isinstance(value, (str, int, float)):
-                setattr(self, name, [value])
-            if not getattr(self, name):
-                raise OverRepError(f"compare: '{name}' is empty")
-        bad = [m for m in self.methods if m not in METHODS]
-        if bad:
-            raise OverRepError(f"compare: unknown method '{bad[0]}'; available: {', '.join(METHODS)}")
-        from ..pruning.registry import CRITERIA
-
-        bad = [c for c in self.criteria if c not in CRITERIA]
-        if bad:
-            raise OverRepError(f"compare: unknown criterion '{bad[0]}'; available: {', '.join(CRITERIA)}")
-        self.budgets = [f"{b:g}s" if isinstance(b, (int, float)) else str(b) for b in self.budgets]
-        for b in self.budgets:
-            try:
-                budget_seconds(b)
-            except OverRepError:
-                raise OverRepError(f"compare: unknown budget '{b}'; use epochs, wallclock or a duration "
-                                   "such as 5m or 600s") from None
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
-            raise OverRepError(f"compare: seeds must be non-negative integers, got {self.seeds}")
-        try:
-            self.ratios = [float(r) for r in self.ratios]
-        except (TypeError, ValueError):
-            raise OverRepError(f"compare: ratios must be numbers, got {self.ratios}") from None
-        if any(not 0 < r < 1 for r in self.ratios):
-            raise OverRepError(f"compare: every ratio must be between 0 and 1, got {self.ratios}")
-        if "wallclock" in self.budgets and self.reference not in self.methods:
-            raise OverRepError(f"compare: the wall-clock budget is the reference method's time; add "
-                               f"'{self.reference}' to methods")
-        if "wallclock" in self.budgets and "epochs" not in self.budgets:
-            self.budgets = ["epochs", *self.budgets]  # step costs are measured in the epoch cells
-        RunConfig.from_dict(self.base).validate()  # fail now, not in the tenth cell
 
 
 @dataclass
@@ -165,16 +97,6 @@ def _hash(obj) -> str:
     return digest(obj, 10)
 
 
-def _deep_update(base: dict, extra: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_update(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
 class Compare:
     def __init__(self, cfg: CompareConfig, *, progress: bool = True):
         self.cfg, self.progress = cfg, progress
@@ -189,7 +111,8 @@ class Compare:
     # ---- cells ---------------------------------------------------------------------
     def cell(self, criterion: str, ratio: float, method: str, budget: str, seconds: float | None = None,
              seed: int = 0) -> Cell:
-        extra = {"prune": {"ratio": ratio, "criterion": criterion}, "recovery": {"method": method, "seed": seed}}
+        extra = deep_update(self.cfg.variant(method), {"prune": {"ratio": ratio, "criterion": criterion},
+                                                        "recovery": {"seed": seed}})
         if seconds is not None:  # a wall-clock cell: the run fixes its own step count and pays for
             # its own features, in a cache of its own (deleted when the cell is done)
             extra["recovery"].update(steps=None, time_budget=f"{seconds:.3f}s")
@@ -197,7 +120,7 @@ class Compare:
                                                                           f"seed{seed}")}
         else:  # a matched-epoch cell: the step count comes from the data, never from the clock
             extra["recovery"]["time_budget"] = None
-        config = _deep_update(self.base, extra)
+        config = deep_update(self.base, extra)
         config.pop("output", None)
         prefix = f"{criterion}-{ratio:g}-{method}-{budget}-"
         settings = self.settings(config)
@@ -236,7 +159,8 @@ class Compare:
 
     def epoch_cells(self, criterion: str, ratio: float, seed: int = 0) -> list[Cell]:
         ref = self.cfg.reference
-        order = [ref] + [m for m in self.cfg.methods if m != ref] if ref in self.cfg.methods else self.cfg.methods
+        trained = list(filter(self.cfg.trains, self.cfg.methods))
+        order = [ref] + [m for m in trained if m != ref] if ref in trained else trained
         return [self.cell(criterion, ratio, m, "epochs", seed=seed) for m in order]
 
     def wallclock_cell(self, criterion: str, ratio: float, method: str, seed: int = 0) -> Cell | None:
@@ -266,6 +190,7 @@ class Compare:
         error_path = cell.dir.parent / f"{cell.dir.name}.error"
         error_path.unlink(missing_ok=True)
         resume = ["--resume"] if (cell.dir / "config.yaml").is_file() else []  # an interrupted cell
+        self.share_caches(Path(cell.config["cache"]["dir"] or ""))
         cmd = [sys.executable, "-m", "overrep", "run", "--config", str(request), *resume, "--quiet"]
         with open(log_path, "a") as logf:
             logf.write(f"$ {' '.join(cmd)}\n")
@@ -283,6 +208,19 @@ class Compare:
             log.error("%s failed: %s", cell.label, message)
             return None
         return cell.metrics()
+
+    def share_caches(self, own: Path) -> None:
+        """A wall-clock cell builds its features in a cache of its own, but reads the grid's
+        criterion scores and the dense and unrecovered evaluation figures (cached by model,
+        mask and rows) from the grid's cache: they are no part of any cell's recovery budget."""
+        if not own.is_relative_to(self.out / "cache" / "cells"):
+            return
+        own.mkdir(parents=True, exist_ok=True)
+        for sub in ("eval", "criteria"):
+            shared, link = self.out / "cache" / sub, own / sub
+            shared.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(shared.resolve(), target_is_directory=True)
 
     # ---- benchmarks ----------------------------------------------------------------
     def benchmark(self, model: str, tag: str) -> dict | None:
@@ -315,10 +253,11 @@ class Compare:
     # ---- the grid ------------------------------------------------------------------
     def plan_cells(self) -> int:
         cfg = self.cfg
-        per_seed = len(cfg.methods) * len(cfg.budgets)
+        trained = [m for m in cfg.methods if cfg.trains(m)]
+        per_seed = len(trained) * len(cfg.budgets)
         if "wallclock" in cfg.budgets and cfg.reference in cfg.methods:
             per_seed -= 1  # the reference's epoch cell serves both
-        return len(cfg.criteria) * len(cfg.ratios) * len(cfg.seeds) * per_seed
+        return len(cfg.pairs()) * (len(cfg.seeds) * per_seed + len(cfg.methods) - len(trained))
 
     def grid_cells(self, criterion: str, ratio: float, seed: int, bar) -> list[dict]:
         """Every cell of one plan and seed, in order: epochs, matched wall-clock, durations."""
@@ -331,11 +270,14 @@ class Compare:
             bar.update(1)
             return m
 
+        for method in cfg.methods:  # a closed form: no training, so no budget; deterministic, so one seed
+            if not cfg.trains(method) and seed == cfg.seeds[0]:
+                run(self.cell(criterion, ratio, method, FREE, seed=seed))
         if "epochs" in cfg.budgets:
             for cell in self.epoch_cells(criterion, ratio, seed):
                 epoch[cell.method] = run(cell)
         if "wallclock" in cfg.budgets:
-            for method in cfg.methods:
+            for method in filter(cfg.trains, cfg.methods):
                 if method == cfg.reference:
                     continue
                 if epoch.get(cfg.reference) is None or epoch.get(method) is None:
@@ -346,7 +288,7 @@ class Compare:
                 run(self.wallclock_cell(criterion, ratio, method, seed))
         for budget in cfg.budgets:
             if budget_seconds(budget) is not None:
-                for method in cfg.methods:
+                for method in filter(cfg.trains, cfg.methods):
                     run(self.duration_cell(criterion, ratio, method, budget, seed))
         return rows
 
@@ -360,10 +302,9 @@ class Compare:
                    dynamic_ncols=True)
         rows: list[dict] = []
         try:
-            for criterion in cfg.criteria:
-                for ratio in cfg.ratios:
-                    for seed in cfg.seeds:
-                        rows += self.grid_cells(criterion, ratio, seed, bar)
+            for criterion, ratio in cfg.pairs():
+                for seed in cfg.seeds:
+                    rows += self.grid_cells(criterion, ratio, seed, bar)
         except KeyboardInterrupt:
             bar.close()
             raise OverRepError(f"interrupted; finished cells are kept in {self.out / 'cells'} -- rerun the same "
@@ -399,6 +340,7 @@ class Compare:
         })
         row["search_seconds"] = t.get("search", 0.0)  # a method's own search before training (rankadaptor)
         row["recovery_seconds"] = row["train_seconds"] + row["feature_seconds"] + row["search_seconds"]
+        row.update(_protocol_figures(m))
         return row
 
     def collect(self, rows: list[dict]) -> dict:
@@ -414,18 +356,39 @@ class Compare:
             return out
         dense = self.benchmark(self.base["model"]["source"], "dense")
         out["dense"]["benchmarks"] = _suite_values(dense)
-        for criterion in cfg.criteria:
-            for ratio in cfg.ratios:
-                res = self.benchmark(str(self.pruned_model(criterion, ratio)), f"pruned-{criterion}-{ratio:g}")
-                rp = retained_performance(res, dense)
-                out["pruned"][f"{criterion}-{ratio:g}"] = {"benchmarks": _suite_values(res),
-                                                           "rp": {s: v.get("rp") for s, v in rp.items()}}
+        for criterion, ratio in cfg.pairs():
+            res = self.benchmark(str(self.pruned_model(criterion, ratio)), f"pruned-{criterion}-{ratio:g}")
+            rp = retained_performance(res, dense)
+            out["pruned"][f"{criterion}-{ratio:g}"] = {"benchmarks": _suite_values(res),
+                                                       "rp": {s: v.get("rp") for s, v in rp.items()}}
         for row in ok:
             res = self.benchmark(row["model_dir"], Path(row["cell"]).name)
             rp = retained_performance(res, dense)
             row["benchmarks"] = _suite_values(res)
             row["rp"] = {s: v.get("rp") for s, v in rp.items()}
         return out
+
+
+def _protocol_figures(m: dict) -> dict:
+    """What the evaluation protocol adds to a row: test perplexity with its 95% interval, the
+    paired ratio to dense, validation perplexity, the seconds the budget really used, the
+    training FLOPs and the generation check (docs/evaluation.md)."""
+    rec, dense = m.get("recovered_perplexity") or {}, m.get("dense_perplexity") or {}
+    test = rec.get("test") or {}
+    budget = m.get("time_budget") or {}
+    gen = m.get("recovered_generation") or {}
+    return {"machine": (m.get("environment") or {}).get("machine"), "precision": m.get("precision"),
+            "ppl_low": test.get("low"), "ppl_high": test.get("high"), "test_tokens": test.get("tokens"),
+            "dense_ppl_low": (dense.get("test") or {}).get("low"),
+            "dense_ppl_high": (dense.get("test") or {}).get("high"),
+            "ratio_to_dense": (rec.get("test_vs_dense") or {}).get("ratio"),
+            "val_ppl": (rec.get("validation") or {}).get("value"),
+            "unseen_ppl": {k: v.get("value") for k, v in (rec.get("unseen") or {}).items()},
+            "used_seconds": budget.get("used_seconds"), "stopped_at_deadline": budget.get("stopped_at_step"),
+            "train_flops": m.get("train_flops"), "feature_flops": m.get("feature_flops"),
+            "lambada_last_word": (gen.get("lambada_last_word") or {}).get("value"),
+            "distinct_2": gen.get("distinct_2"),
+            "closed_form_seconds": sum(run.get("seconds", 0.0) for run in (m.get("closed_form") or {}).get("runs", []))}
 
 
 def _suite_values(results: dict) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
 from ..atomic import write_file, write_text  # noqa: E402
+from ..errors import OverRepError  # noqa: E402
+from .compare_config import FREE as FREE_BUDGET  # noqa: E402
 
 
 def fmt_ppl(v) -> str:
@@ -32,6 +35,8 @@ def _groups(results: dict) -> list[tuple[str, float, str, list[dict]]]:
             for budget in cfg["budgets"]:
                 sel = [r for r in rows if r["criterion"] == criterion and r["ratio"] == ratio
                        and r["budget"] == budget]
+                sel += [r for r in rows if r["criterion"] == criterion and r["ratio"] == ratio
+                        and r["budget"] == FREE_BUDGET]  # the closed forms: 0 s of training, in every table
                 if budget == "wallclock":
                     ref = [r for r in rows if r["criterion"] == criterion and r["ratio"] == ratio
                            and r["budget"] == "epochs" and r["method"] == cfg["reference"]]
@@ -56,12 +61,45 @@ def _rp(row: dict) -> str:
     return "–" if rp is None else f"{rp:.1f}"
 
 
+def _ci(r: dict, key: str = "ppl") -> str:
+    lo, hi = r.get(f"{key}_low"), r.get(f"{key}_high")
+    return fmt_ppl(r.get(key)) + (f" [{fmt_ppl(lo)}, {fmt_ppl(hi)}]" if lo is not None and hi is not None else "")
+
+
+def _used(r: dict) -> str:
+    """Seconds the recovery used of its budget (features + training), flagged past +2%."""
+    used, budget = r.get("used_seconds"), r.get("budget_seconds")
+    if r.get("budget") == FREE_BUDGET:
+        return f"{r.get('closed_form_seconds') or 0:.0f} (fit)"
+    if used is None or not budget:
+        return f"{r['recovery_seconds']:.0f}"
+    flag = " **over**" if used > 1.02 * budget else ""
+    return f"{used:.0f} / {budget:.0f}{flag}" + (" (stopped at deadline)" if r.get("stopped_at_deadline") else "")
+
+
+def _pct(v) -> str:
+    return "–" if v is None else f"{100 * v:.1f}"
+
+
+def _tflops(r: dict) -> str:
+    total = (r.get("train_flops") or 0) + (r.get("feature_flops") or 0)
+    return f"{total / 1e12:.0f}" if total else "–"
+
+
 def markdown(results: dict) -> str:
     cfg = results["config"]
     lines = ["# overrep compare", ""]
+    ok_rows = [r for r in results["rows"] if r.get("status") == "ok"]
+    machines = sorted({(r.get("machine") or "?", r.get("precision") or "?") for r in ok_rows})
+    if machines:
+        lines.append("Machine and precision: " + "; ".join(f"{m}, {p}" for m, p in machines)
+                     + (" -- **more than one: do not compare these rows by time**" if len(machines) > 1 else "")
+                     + ".")
     dense = results.get("dense", {})
     if dense.get("ppl") is not None:
-        lines.append(f"Dense model: held-out perplexity {fmt_ppl(dense['ppl'])}.")
+        d = next((r for r in ok_rows if r.get("dense_ppl_low") is not None), {})
+        span = f" [{fmt_ppl(d['dense_ppl_low'])}, {fmt_ppl(d['dense_ppl_high'])}]" if d else ""
+        lines.append(f"Dense model: test perplexity {fmt_ppl(dense['ppl'])}{span}.")
     if dense.get("benchmarks"):
         lines.append("Dense benchmarks: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in dense["benchmarks"].items())
                      + ".")
@@ -80,18 +118,20 @@ def markdown(results: dict) -> str:
                   f"{fmt_ppl(ok[0]['pruned_ppl']) if ok else '–'}"
                   + (f", reasoning RP {_rp(results['pruned'][f'{criterion}-{ratio:g}'])}"
                      if results.get("pruned", {}).get(f"{criterion}-{ratio:g}") else "") + ".", "",
-                  "| method | seed | held-out ppl | RP (reasoning) | trainable params | RR | steps | epochs "
-                  "| train s | features s | recovery s | peak mem GB |",
+                  "| method | seed | test ppl [95%] | × dense [95%] | val ppl | RP (reasoning) | LAMBADA % | distinct-2 "
+                  "| steps | seconds used / budget | TFLOPs | trainable |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sorted(rows, key=lambda r: (r.get("ppl") is None, r.get("ppl") or 0)):
             if r.get("status") != "ok":
                 lines.append(f"| {r['method']} | {r.get('seed', 0)} | {r.get('status')} |||||||||| ")
                 continue
+            ratio_ci = r.get("ratio_to_dense") or {}
             lines.append(
-                f"| {r['method']} | {r.get('seed', 0)} | {fmt_ppl(r['ppl'])} | {_rp(r)} | "
-                f"{r['trainable_params'] / 1e6:.2f}M | {r['recovery_ratio']:.3f} | {_steps(r)} | {r['epochs']:.2f} | "
-                f"{r['train_seconds']:.0f} | {r['feature_seconds']:.0f} | {r['recovery_seconds']:.0f} | "
-                f"{_gb(r['peak_memory_bytes'])} |")
+                f"| {r['method']} | {r.get('seed', 0)} | {_ci(r)} | "
+                + (f"{ratio_ci['value']:.2f} [{ratio_ci['low']:.2f}, {ratio_ci['high']:.2f}]" if ratio_ci else "–")
+                + f" | {fmt_ppl(r.get('val_ppl'))} | {_rp(r)} | {_pct(r.get('lambada_last_word'))} | "
+                f"{'–' if r.get('distinct_2') is None else format(r['distinct_2'], '.2f')} | {_steps(r)} | "
+                f"{_used(r)} | {_tflops(r)} | {r['trainable_params'] / 1e6:.2f}M |")
         spread = [(m, ppl) for m, ppl in _by_method(ok).items() if len(ppl) > 1]
         if spread:
             lines += ["", "Over seeds: " + "; ".join(
@@ -99,11 +139,13 @@ def markdown(results: dict) -> str:
                 f"{fmt_ppl(min(p))}–{fmt_ppl(max(p))})" for m, p in sorted(spread, key=lambda x: statistics.mean(x[1])))
                       + " (mean ± sample standard deviation, range)."]
         lines.append("")
-    lines += ["Columns: held-out perplexity of the exported compact model; RR = trainable / compact parameters; "
-              "features s = building the feature cache in that cell (0 when it reused one built by an earlier "
-              "cell of the same plan); recovery s = train s + features s + a method's own search or probe "
-              "(rankadaptor, restorelcc); peak memory = the cell process's "
-              "peak resident memory (CPU) or peak allocated GPU memory.", ""]
+    lines += ["Columns: test perplexity of the exported compact model with its 95% bootstrap interval over "
+              "documents; × dense: the paired ratio to the dense model on the same rows; val ppl: the validation "
+              "split (what choices read); RP: retained performance on the benchmarks; LAMBADA %: last-word "
+              "accuracy of greedy decoding; distinct-2: distinct bigrams of greedy continuations (low = "
+              "repetition); seconds used: features + training up to the end of training, against the cell's "
+              "budget (a closed form: its fit; it trains nothing); TFLOPs: training (counted on the first step "
+              "x steps) plus the dense forward passes that built the features.", ""]
     return "\n".join(lines)
 
 
@@ -201,3 +243,26 @@ def write_compare_report(out: Path, results: dict) -> Path:
     if plot_budgets(results, plots / "perplexity_vs_budget.png"):
         text += "\n![budgets](plots/perplexity_vs_budget.png)\n"
     return write_text(out / "results.md", text, "the comparison table")
+
+
+BEGIN, END = "<!-- compare: results -->", "<!-- /compare -->"
+
+
+def write_into(doc: Path, out: Path, results: dict, command: str) -> Path:
+    """Replace the part of ``doc`` between :data:`BEGIN` and :data:`END` by the grid's tables,
+    headed by the command that wrote them, and copy its plots into ``img/`` beside ``doc``
+    (named after the page), so that a results page is regenerated, never typed."""
+    text = doc.read_text() if doc.is_file() else ""
+    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+        raise OverRepError(f"{doc}: no '{BEGIN}' ... '{END}' lines to write the tables between")
+    img = doc.parent / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    body = markdown(results).removeprefix("# overrep compare\n").strip()
+    for plot in sorted((out / "plots").glob("*.png")):
+        name = f"{doc.stem}-{plot.name}"
+        write_file(img / name, lambda tmp, plot=plot: shutil.copyfile(plot, tmp), "a plot")
+        body += f"\n\n![{plot.stem}](img/{name})"
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    block = f"{BEGIN}\nWritten by `{command}` (every figure below comes from that grid's cells).\n\n{body}\n{END}"
+    return write_text(doc, head + block + tail, "the results page")

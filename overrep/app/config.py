@@ -75,6 +75,7 @@ class EvalConfig:
     lambada_passages: int = 250  # generation check: LAMBADA test passages scored (± ~3 points; 5,153: all; `--tasks rp` scores 1,200)
     generation_prompts: int = 16  # generation check: test-document starts continued greedily for distinct-n
     generation_tokens: int = 32  # generation check: tokens generated per prompt
+    unrecovered: str = "test"  # the pruned model without recovery: "test" scores its test and validation rows only (the baseline; a minute saved) | "all": also the unseen corpora and the generation check
     benchmarks: str | None = None  # lm-eval suites/tasks for dense, pruned and recovered models, e.g. "reasoning" or "arc_easy,piqa" (off by default: minutes per model)
     benchmark_limit: int | None = 200  # documents per benchmark (None: all)
 
@@ -158,6 +159,8 @@ class RunConfig:
             raise OverRepError("data.seq_len must be >= 8, train/heldout sequences >= 1 and validation_sequences "
                                ">= 0")
         e = self.eval
+        if e.unrecovered not in ("test", "all"):
+            raise OverRepError(f"eval.unrecovered must be 'test' or 'all', got '{e.unrecovered}'")
         if e.domain_sequences < 1 or e.lambada_passages < 1 or e.generation_prompts < 1 or e.generation_tokens < 3:
             raise OverRepError("eval.domain_sequences, lambada_passages and generation_prompts must be >= 1 and "
                                "eval.generation_tokens >= 3")

@@ -27,6 +27,7 @@ from ..atomic import write_json
 from ..core.precision import resolve_model_dtype, resolve_precision
 from ..data.text import token_splits
 from ..eval.figures import eval_data, model_benchmarks, model_figures
+from ..eval.retained import retained_performance
 from ..eval.heldout import unseen_domain_rows
 from ..eval.measure import generation_latency
 from ..model.accounting import blocks_for_ratio, pruning_account
@@ -47,11 +48,11 @@ from ..recovery.sharding import gather, shard_objective
 from ..recovery.trainer import Trainer
 from ..paths import cache_root
 from ..distributed import World, world_from_env
-from .budgeting import BudgetFit, checkpointed_total, fit_budget
+from .budgeting import BudgetFit, checkpointed_total, compute_spent, fit_budget
 from .config import RunConfig
 from .export import export_checked, export_model
 from .outdir import RunFolder
-from .runinfo import how_it_ran
+from .runinfo import how_it_ran, processor
 
 log = logging.getLogger(__name__)
 
@@ -241,10 +242,10 @@ class Pipeline:
             return
         ev = self.cfg.eval
         t0 = time.perf_counter()
-        # dense and unrecovered figures are cached by model, mask, data and protocol; a recovered model's never
         mask, root = tag != "dense" and self.plan.to_dict(), None if tag == "recovered" else self.cache_root
         if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
-            found, scores = model_figures(model, self.tokenizer, self.eval_data, tag=tag, progress=self.progress,
+            data = self.eval_data.baseline() if tag == "pruned" and ev.unrecovered == "test" else self.eval_data
+            found, scores = model_figures(model, self.tokenizer, data, tag=tag, progress=self.progress,
                                           source=self.model_info["source"], mask=mask, root=root,
                                           dense=self.dense_scores)  # raises on a non-finite perplexity
             self.metrics.update(found)
@@ -261,8 +262,6 @@ class Pipeline:
             self.metrics.setdefault("benchmarks", {})[tag] = {
                 b: r.get("value") for b, r in results["tasks"].items() if r.get("status") == "ok"}
             if tag != "dense" and "dense" in self.benchmark_results:
-                from ..eval.retained import retained_performance
-
                 rp = retained_performance(results, self.benchmark_results["dense"])
                 self.metrics.setdefault("retained_performance", {})[tag] = {
                     suite: v.get("rp") for suite, v in rp.items()}
@@ -293,11 +292,11 @@ class Pipeline:
         self.note_cache()
         if self.recovery.search_seconds:
             self.timings["search"] = self.recovery.search_seconds
-        self.metrics.update(method=self.method.name, objective=self.method.objective)
-        self.metrics["trainable_params"] = self.recovery.trainable_params
-        self.metrics["recovery_ratio"] = self.metrics["trainable_params"] / self.metrics["pruned_params"]
-        self.metrics.update(lr=self.rcfg.lr, precision=self.rcfg.precision)  # precision: resolved for the device
-        self.metrics["loss"] = self.recovery.describe().get("loss")  # the layer-wise loss; None for LM/KD methods
+        self.metrics.update(method=self.method.name, objective=self.method.objective,
+                            trainable_params=self.recovery.trainable_params,
+                            recovery_ratio=self.recovery.trainable_params / self.metrics["pruned_params"])
+        self.metrics.update(lr=self.rcfg.lr, precision=self.rcfg.precision,  # precision: resolved for the device
+                            loss=self.recovery.describe().get("loss"))  # the layer-wise loss; None for LM/KD
 
     def method_inputs(self) -> MethodInputs:
         return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,  # probes: never test
@@ -363,13 +362,14 @@ class Pipeline:
         gather(self.recovery.objective)  # recovery.shard: fsdp -- full plain blocks again, for the merge
         if self.budget is not None:
             info = self.metrics["time_budget"]
-            info["used_seconds"] = time.perf_counter() - self.recovery_started
+            info.update(used_seconds=time.perf_counter() - self.recovery_started, stopped_at_step=trainer.stopped_at)
             if trainer.refit is not None:
                 info["steps"], info["refit"] = trainer.total, trainer.refit
         if self.world.is_main:
             trainer.write_log(self.out / "train_log.jsonl")
         self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds, "train_tokens": result.tokens,
                              "train_tokens_per_second": result.tokens_per_second, "keep_best": trainer.selected,
+                             **compute_spent(self, trainer),
                              "final_train_loss": result.history[-1]["loss"] if result.history else None,
                              "final_val_loss": next((h["val_loss"] for h in reversed(result.history)
                                                      if h.get("val_loss") is not None), None)})
@@ -442,7 +442,7 @@ class Pipeline:
             "data": {k: v for k, v in self.data_info.items() if not isinstance(v, (list, dict))},
             "timings_seconds": self.timings, "total_seconds": time.perf_counter() - t_start,
             "environment": {"overrep": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "python": platform.python_version(), "machine": platform.machine()},
+                            "python": platform.python_version(), "machine": processor(self.device)},
         })
         from .report import write_report
         write_report(self.out, self.metrics, self.history, self.cfg)

@@ -38,3 +38,20 @@ def describe(run: dict) -> str:
     return (f"{head}: {where}, {'/'.join(map(str, threads))} thread(s) each; sharding {run['sharding']}; "
             f"dense model {'onloaded block by block' if run['teacher'] == 'stream' else 'loaded whole'}, "
             f"{run['model_dtype']} weights")
+
+
+def processor(device: torch.device) -> str:
+    """The machine a figure came from, e.g. ``AMD EPYC (x86_64), AVX512-BF16`` or the GPU's
+    name: timings and step counts compare only between runs on the same one."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        name = next(ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name"))
+        flags = set(next(ln for ln in info.splitlines() if ln.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return name
+    bf16 = "AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else "no bf16 instructions"
+    return f"{name} ({platform.machine()}, {bf16})"

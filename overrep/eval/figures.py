@@ -19,7 +19,7 @@ so a second run with the same model, mask and data reads them back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +49,11 @@ class EvalData:
     prompts: int = 16
     prompt_tokens: int = 16
     new_tokens: int = 32
+
+    def baseline(self) -> "EvalData":
+        """The rows an unrecovered model is scored on by default (``eval.unrecovered: test``):
+        test and validation, no unseen corpora and no generation check."""
+        return replace(self, unseen={}, lambada=0)
 
     def fingerprint(self) -> dict:
         return {"test": tensor_digest(self.test), "test_units": tensor_digest(self.test_units),

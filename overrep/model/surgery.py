@@ -73,7 +73,7 @@ AUTO_BLOCKS = "auto"
 
 def resolve_blocks(blocks: int | str, removed: list[int]) -> int:
     """Recovery blocks per removed run: ``blocks`` itself, or for ``"auto"`` two where the mask
-    removes one contiguous run and one where it removes several. Measured (docs/results.md):
+    removes one contiguous run and one where it removes several. Measured (docs/results-former-protocol.md):
     on a one-run mask two blocks won at 10 minutes (45.3 against 47.9 on the cosine mask); on
     Block Influence's four-run mask two-block modules merge into three large ones whose steps
     cost twice as much, and one block a module won (61.6 against 74.9; Streamline 70.0)."""

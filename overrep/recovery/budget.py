@@ -27,7 +27,7 @@ then build the cache. Short budgets cache fewer rows and see each ``recovery.bud
 times (default once); long ones cache all the data and go over it several times. Where a
 row's features cost more than its share of a step (a short budget, a deep mask), more
 passes over fewer rows buy more steps for the same seconds; whether those steps are worth
-more than fresh rows is measured in docs/results.md.
+more than fresh rows is measured in docs/results-former-protocol.md.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ the held-out rows the report scores). The run ends at the scored step of lowest
 perplexity among those whose weights fold exactly (every annealed activation at α = 0, so
 only the final linear phase of an OverRep run; any step of a method without annealing)
 when it beats the last step, and records which in ``selected``. A layer-wise loss can
-keep falling while the language model gets worse (docs/results.md, Streamline at 10
+keep falling while the language model gets worse (docs/results-former-protocol.md, Streamline at 10
 minutes); this is the guard. The best weights are held as a host (CPU) copy, this rank's
 shard of them under FSDP, so the guard costs no accelerator memory.
 """
@@ -129,6 +129,8 @@ class Trainer:
         self.last_val_ppl: float | None = None
         self.best: dict | None = None  # recovery.keep_best: the best foldable weights so far (step, val_ppl, tensors)
         self.selected: dict | None = None  # which step the run ended at, and why
+        self.flops_per_step: float | None = None  # counted after training (count_flops)
+        self.stopped_at: int | None = None  # a budgeted run stopped at its deadline before its planned last step
         self.set_total(total_steps)
 
     def set_total(self, total: int) -> None:
@@ -323,6 +325,8 @@ class Trainer:
                 bar.set_postfix(**post)
                 if self.step % cfg.checkpoint_every == 0 or self.step == self.total:
                     self.save_checkpoint()
+                if self.past_deadline():
+                    break
         except KeyboardInterrupt:
             bar.close()
             path = self.save_checkpoint() if self.step > 0 else None
@@ -332,9 +336,38 @@ class Trainer:
         self.restore_best()
         for a in obj.activations:
             a.set_step(self.total)
+        self.flops_per_step = self.count_flops() if self.step > 0 else None
         obj.train(False)
         tokens = self.tokens_per_sample * self.per_step * len(self.history)
-        return TrainResult(self.total, self.seconds, tokens, self.history)
+        return TrainResult(self.step, self.seconds, tokens, self.history)
+
+    def past_deadline(self) -> bool:
+        """A budgeted run is scored at its budget: when the deadline passes before the planned
+        last step (the machine slowed down after the re-fit), training stops there; the α
+        schedule then ends at 0 as it would have, so the module still folds exactly."""
+        if self.deadline is None or self.step >= self.total:
+            return False
+        late = self.world.broadcast(int(time.perf_counter() >= self.deadline.at))  # every rank stops together
+        if late:
+            self.stopped_at = self.step
+            log.warning("time budget: the deadline passed at step %d of %d; training stops here", self.step,
+                        self.total)
+        return bool(late)
+
+    def count_flops(self) -> float:
+        """FLOPs of one optimiser step, for ``metrics.json``: the forward pass of one step's
+        batch counted by torch's FlopCounterMode (matrix products and attention; a live
+        teacher's forward included) times 3, the usual forward + backward estimate. Counted on
+        a separate no-grad pass after training, since a dispatch mode around a real step would
+        change its numerics."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        idx = self.batch_indices(0)
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            for k in range(self.cfg.grad_accum):
+                self.objective.loss(self.world.part(idx[k * self.micro:(k + 1) * self.micro]))
+        return 3.0 * float(counter.get_total_flops()) * self.world.size
 
     # ---- recovery.keep_best ---------------------------------------------------------
     def foldable(self) -> bool:
