@@ -138,6 +138,15 @@ def test_replaceme_runs_end_to_end_without_training_and_reloads(assets, tmp_path
     assert json.loads((out / "model" / "overrep.json").read_text())["method"] == method
 
 
+def test_prunecomp_alone_is_a_method_that_trains_nothing_and_reloads(assets, tmp_path):
+    out = tmp_path / "pc-alone"
+    m = Pipeline(tiny_cfg(assets, out, recovery__method="prunecomp", recovery__closed_rows=8, eval__latency=False),
+                 progress=False).run()
+    assert m["train_steps"] == 0 and m["trainable_params"] == 0 and m["closed_form"]["seconds"] > 0
+    assert m["closed_form"]["scales"][0]["scale"] > 0 and m["recovered_ppl"] != m["pruned_ppl"]
+    assert AutoModelForCausalLM.from_pretrained(out / "model").config.num_hidden_layers == 4
+
+
 def test_prunecomp_option_applies_before_a_method_and_is_recorded(assets, tmp_path):
     m = Pipeline(tiny_cfg(assets, tmp_path / "pc", recovery__method="replaceme", recovery__compensate="prunecomp",
                           recovery__closed_rows=8, **FAST), progress=False).run()

@@ -238,3 +238,15 @@ def test_into_writes_the_tables_between_the_markers_of_a_page(assets, tmp_path):
     page.write_text("no markers\n")
     assert main(["compare", "--config", config, "--quiet", "--into", str(page)]) == 2
     assert page.read_text() == "no markers\n"
+
+
+def test_collect_only_runs_no_cell_and_lists_the_unfinished_ones(assets, tmp_path):
+    config = grid_file(assets, tmp_path, methods=["plain"], budgets=["epochs"])
+    assert main(["compare", "--config", config, "--quiet"]) == 0
+    cells = sorted((tmp_path / "grid" / "cells").glob("*/metrics.json"))
+    assert main(["compare", "--config", config, "--methods", "plain,lora", "--collect-only", "--quiet"]) == 0
+    assert sorted((tmp_path / "grid" / "cells").glob("*/metrics.json")) == cells  # nothing new ran
+    rows = json.loads((tmp_path / "grid" / "results.json").read_text())["rows"]
+    assert {(r["method"], r["status"]) for r in rows} == {("plain", "ok"), ("lora", "not run")}
+    text = (tmp_path / "grid" / "results.md").read_text()
+    assert "| plain | 0 |" in text and "Not run yet: lora (seed 0)." in text and "| lora |" not in text

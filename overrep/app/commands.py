@@ -258,7 +258,7 @@ def _ints(values: list[str] | None) -> list[int] | None:
 
 
 def cmd_compare(args) -> int:
-    from .compare import Compare, CompareConfig
+    from .compare import NOT_RUN, Compare, CompareConfig
 
     split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
     cfg = CompareConfig.load(args.config, {"output": args.output, "methods": split(args.methods),
@@ -266,9 +266,11 @@ def cmd_compare(args) -> int:
                                            "budgets": split(args.budgets), "seeds": _ints(split(args.seeds))})
     if args.no_benchmarks:
         cfg.benchmarks = None
-    results = Compare(cfg, progress=not args.quiet).run()
-    failed = [r for r in results["rows"] if r.get("status") != "ok"]
-    print(f"{len(results['rows']) - len(failed)} cells ok, {len(failed)} failed")
+    results = Compare(cfg, progress=not args.quiet, collect_only=args.collect_only).run()
+    failed = [r for r in results["rows"] if r.get("status") not in ("ok", NOT_RUN)]
+    waiting = sum(r.get("status") == NOT_RUN for r in results["rows"])
+    print(f"{len(results['rows']) - len(failed) - waiting} cells ok, {len(failed)} failed"
+          + (f", {waiting} not run (--collect-only)" if waiting else ""))
     print(f"table: {cfg.output}/results.md   numbers: {cfg.output}/results.json")
     if args.into:
         from .compare_report import write_into
@@ -282,7 +284,8 @@ def _compare_command(args) -> str:
     parts = ["overrep compare"] + [f"--{k.replace('_', '-')} {v}" for k in ("config", "methods", "criteria", "ratios",
                                                                           "budgets", "seeds", "output", "into")
                                    if (v := getattr(args, k))]
-    return " ".join(parts + (["--no-benchmarks"] if args.no_benchmarks else []))
+    return " ".join(parts + (["--no-benchmarks"] if args.no_benchmarks else [])
+                    + (["--collect-only"] if args.collect_only else []))
 
 
 def cmd_methods(args) -> int:

@@ -65,6 +65,7 @@ from ..memo import digest
 from ..atomic import write_json
 
 log = logging.getLogger(__name__)
+NOT_RUN = "not run"  # a cell ``--collect-only`` found unfinished
 
 
 @dataclass
@@ -98,8 +99,9 @@ def _hash(obj) -> str:
 
 
 class Compare:
-    def __init__(self, cfg: CompareConfig, *, progress: bool = True):
+    def __init__(self, cfg: CompareConfig, *, progress: bool = True, collect_only: bool = False):
         self.cfg, self.progress = cfg, progress
+        self.collect_only = collect_only  # tables from the finished cells; run nothing
         self.out = Path(cfg.output)
         base = RunConfig.from_dict(cfg.base).to_dict()
         if not cfg.base.get("cache", {}).get("dir"):
@@ -265,6 +267,11 @@ class Compare:
 
         def run(cell: Cell) -> dict | None:
             bar.set_postfix_str(cell.label)
+            if self.collect_only and not cell.done:
+                rows.append({"criterion": cell.criterion, "ratio": cell.ratio, "method": cell.method, "seed": cell.seed,
+                             "budget": cell.budget, "status": NOT_RUN})
+                bar.update(1)
+                return None
             m = self.run_cell(cell)
             rows.append(self._row(cell, m))
             bar.update(1)
@@ -388,7 +395,12 @@ def _protocol_figures(m: dict) -> dict:
             "train_flops": m.get("train_flops"), "feature_flops": m.get("feature_flops"),
             "lambada_last_word": (gen.get("lambada_last_word") or {}).get("value"),
             "distinct_2": gen.get("distinct_2"),
-            "closed_form_seconds": sum(run.get("seconds", 0.0) for run in (m.get("closed_form") or {}).get("runs", []))}
+            "closed_form_seconds": _fit_seconds(m.get("closed_form") or {})}
+
+
+def _fit_seconds(fit: dict) -> float:
+    """Seconds a closed form took to fit (Prune&Comp: its scales; ReplaceMe: each run's map)."""
+    return fit.get("seconds") or sum(run.get("seconds", 0.0) for run in fit.get("runs", []))
 
 
 def _suite_values(results: dict) -> dict:

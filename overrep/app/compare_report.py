@@ -121,6 +121,8 @@ def markdown(results: dict) -> str:
                   "| method | seed | test ppl [95%] | × dense [95%] | val ppl | RP (reasoning) | LAMBADA % | distinct-2 "
                   "| steps | seconds used / budget | TFLOPs | trainable |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        waiting = [r for r in rows if r.get("status") == "not run"]
+        rows = [r for r in rows if r.get("status") != "not run"]
         for r in sorted(rows, key=lambda r: (r.get("ppl") is None, r.get("ppl") or 0)):
             if r.get("status") != "ok":
                 lines.append(f"| {r['method']} | {r.get('seed', 0)} | {r.get('status')} |||||||||| ")
@@ -132,6 +134,8 @@ def markdown(results: dict) -> str:
                 + f" | {fmt_ppl(r.get('val_ppl'))} | {_rp(r)} | {_pct(r.get('lambada_last_word'))} | "
                 f"{'–' if r.get('distinct_2') is None else format(r['distinct_2'], '.2f')} | {_steps(r)} | "
                 f"{_used(r)} | {_tflops(r)} | {r['trainable_params'] / 1e6:.2f}M |")
+        if waiting:
+            lines += ["", "Not run yet: " + ", ".join(f"{r['method']} (seed {r['seed']})" for r in waiting) + "."]
         spread = [(m, ppl) for m, ppl in _by_method(ok).items() if len(ppl) > 1]
         if spread:
             lines += ["", "Over seeds: " + "; ".join(

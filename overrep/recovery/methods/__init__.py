@@ -85,6 +85,10 @@ for _m in [
            "recovery.closed_tokens), folded into the down_proj before it; no training", ClosedFormRun, "lstsq", 0.0,
            "closed-form", options=(ClosedFormOptions,), trains=False, planned_account=False,
            block_removal_only="it replaces a removed run of blocks"),
+    Method("prunecomp", "Prune&Comp alone: one scale per gap, mean|X_after|/mean|X_before| on calibration rows, "
+           "folded exactly into the embeddings and the writes to the residual before it; no training", ClosedFormRun,
+           "scale", 0.0, "closed-form", options=(ClosedFormOptions,), trains=False, planned_account=False,
+           block_removal_only="it rescales the stream at a gap of removed blocks"),
     Method("replaceme-cos", "ReplaceMe's cosine variant: the same map by Adam on 1 - cos (recovery.closed_cos_*); "
            "no training of the model", ClosedFormRun, "cosine", 0.0, "closed-form", options=(ClosedFormOptions,),
            trains=False, planned_account=False, block_removal_only="it replaces a removed run of blocks"),

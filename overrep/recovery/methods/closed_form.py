@@ -1,4 +1,4 @@
-"""Training-free methods (``replaceme``, ``replaceme-cos``) and what any method may apply to the
+"""Training-free methods (``replaceme``, ``replaceme-cos``, ``prunecomp``) and what any method may apply to the
 pruned model before it starts: Prune&Comp's scale (``recovery.compensate``) and, for the
 layer-wise methods, a closed-form warm start (``recovery.warm_start``).
 
@@ -92,7 +92,12 @@ class ClosedFormRun(MethodRun):
         super().__init__(inputs, method, with_data=with_data)
         self.objective = None
         self.fit: dict = {}
-        if with_data:
+        if with_data and method.objective == "scale":  # Prune&Comp alone
+            t0, r = time.perf_counter(), inputs.config
+            self.fit = prunecomp(self.model, inputs.dense, inputs.plan, inputs.train_ids[:r.closed_rows],
+                                 tokens=r.closed_tokens)
+            self.fit["seconds"] = time.perf_counter() - t0
+        elif with_data:
             kind = method.objective  # "lstsq" | "cosine": the fit is the method's objective
             self.fit = fit_and_fold(self.model, inputs.dense, inputs.plan, inputs.train_ids, fit_options(inputs.config),
                                     kind)
