@@ -148,8 +148,9 @@ def markdown(results: dict) -> str:
               "split (what choices read); RP: retained performance on the benchmarks; LAMBADA %: last-word "
               "accuracy of greedy decoding; distinct-2: distinct bigrams of greedy continuations (low = "
               "repetition); seconds used: features + training up to the end of training, against the cell's "
-              "budget (a closed form: its fit; it trains nothing); TFLOPs: training (counted on the first step "
-              "x steps) plus the dense forward passes that built the features.", ""]
+              "budget (a closed form: its fit; it trains nothing); TFLOPs: training (one step's forward "
+              "counted by torch's FlopCounterMode, x 3 for the backward, x steps) plus the dense forward passes that "
+              "built the features.", ""]
     return "\n".join(lines)
 
 

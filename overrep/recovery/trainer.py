@@ -312,7 +312,7 @@ class Trainer:
                 rec = {"step": self.step, "loss": total, "lr": self.opt.param_groups[0]["lr"],
                        "alpha": self.alpha, "grad_norm": float(gnorm)}
                 if (self.world.is_main or self.sharded) and (self.step % cfg.eval_every == 0
-                                                             or self.step == self.total):
+                                                             or self.step == self.total) and self.room_to_validate():
                     rec["val_loss"] = obj.validation_loss()
                     rec["val_ppl"] = obj.validation_ppl()
                     self.last_val_ppl = rec["val_ppl"]
@@ -340,6 +340,16 @@ class Trainer:
         obj.train(False)
         tokens = self.tokens_per_sample * self.per_step * len(self.history)
         return TrainResult(self.step, self.seconds, tokens, self.history)
+
+    def room_to_validate(self) -> bool:
+        """A budgeted run validates only when the validation ends before its deadline (the
+        probe timed one): a final validation past the deadline would score the run after its
+        budget. Without it, ``recovery.keep_best`` keeps the last state unless an earlier
+        validated one was better."""
+        if self.deadline is None:
+            return True
+        late = time.perf_counter() + self.deadline.costs.validation > self.deadline.at
+        return not (self.world.broadcast(int(late)) if self.sharded else late)  # sharded: every rank validates
 
     def past_deadline(self) -> bool:
         """A budgeted run is scored at its budget: when the deadline passes before the planned
