@@ -8,7 +8,7 @@ import pytest
 
 from overrep.app.pipeline import Pipeline
 from overrep.errors import OverRepError
-from overrep.recovery.budget import Deadline, StepCosts, fit_steps, parse_duration
+from overrep.recovery.budget import Deadline, StepCosts, fit_steps, parse_duration, spread, validation_plan
 
 from tiny import run_killed_at, tiny_cfg
 
@@ -138,6 +138,37 @@ def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, mon
     b = load_file(tmp_path / "killed" / "model" / "model.safetensors")
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k
+
+
+def test_validations_take_at_most_their_share_of_a_budget():
+    costs = StepCosts(step=0.5, validation=11.5, checkpoint=0.2)
+    assert validation_plan(720.0, 0.05, costs) == 3  # 36 s of a 12-minute run: three validations
+    assert validation_plan(150.0, 0.05, costs) == 0  # one would take 7.7% of 2.5 minutes: none
+    assert validation_plan(720.0, 0.0, costs) == 0
+    assert spread(820, 3) == 274 and -(-820 // 274) == 3  # at 274, 548 and the last step
+    assert spread(820, 0) == 0
+    assert costs.run_seconds(10, 0, 100) == 10 * 0.5 + 0.2  # eval_every 0: no validation counted
+
+
+def test_a_budgeted_run_validates_as_often_as_its_share_allows(assets, tmp_path, monkeypatch):
+    """recovery.validation_share fixes the cadence: with validations of 1 s in a 20-s budget
+    and a share of 0.1, two validations (the last at the end), whatever eval_every says."""
+    no_deadline_stop(monkeypatch)
+    from overrep.recovery.trainer import Trainer
+
+    import overrep.app.budgeting as budgeting
+
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.1, 1.0, 0.0))
+    monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 6)
+    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 3)  # re-fit at step 3: still 6
+    for share, expected in ((0.1, [3, 6]), (0.0, [])):
+        out = tmp_path / str(share)
+        m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                              recovery__time_budget="20s", recovery__eval_every=1, recovery__validation_share=share),
+                     progress=False).run()
+        log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in log if r.get("val_ppl") is not None] == expected
+        assert m["time_budget"]["eval_every"] == (3 if expected else 0)
 
 
 def test_the_deadline_refits_steps_to_the_observed_step_time():

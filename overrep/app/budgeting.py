@@ -23,7 +23,7 @@ import torch
 from ..distributed import World
 from ..model.arch import decoder_layers
 from ..model.flops import blocks_macs
-from ..recovery.budget import StepCosts, fit_steps, parse_duration
+from ..recovery.budget import StepCosts, fit_steps, parse_duration, spread, validation_plan
 from ..recovery.methods import Method, MethodInputs, build_recovery
 from ..recovery.teacher import PROBE_ROWS
 
@@ -34,12 +34,14 @@ log = logging.getLogger("overrep.app.pipeline")
 class BudgetFit:
     """What a time budget decided: the step count, the training rows to keep (None: all),
     the measured costs (None: the step count was read from a checkpoint) and the record
-    that goes to ``metrics.json`` (``time_budget``)."""
+    that goes to ``metrics.json`` (``time_budget``), and the validation cadence
+    (``recovery.validation_share``)."""
 
     steps: int
     rows: int | None
     costs: StepCosts | None
     info: dict
+    eval_every: int | None = None  # the validation cadence it affords (0: none; None: a resumed run's, from its checkpoint)
 
 
 def checkpointed_total(out: Path) -> int | None:
@@ -88,8 +90,10 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         info.update({f"measured_{k}": v for k, v in (("seconds_per_step", costs.step),
                      ("validation_seconds", costs.validation), ("checkpoint_seconds", costs.checkpoint),
                      ("feature_seconds_per_row", costs.row)) if v})
+        validations = validation_plan(budget, r.validation_share, costs)
         # 3% kept for what is not measured; the trainer re-fits once it has timed real steps
-        total = world.broadcast(fit_steps(0.97 * left, costs, r.eval_every, r.checkpoint_every))
+        total = world.broadcast(fit_steps(0.97 * left - validations * costs.validation, costs, 0, r.checkpoint_every))
+        eval_every = info["eval_every"] = spread(total, validations)
         log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps on "
                  "%d rows", budget, costs.step, costs.row, left, total, costs.rows(total) if sizes_cache
                  else inputs.train_ids.shape[0])
@@ -98,7 +102,7 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
     if sizes_cache:
         rows = info["rows"] = StepCosts(0, 0, 0, rows_per_step=per_step, max_rows=inputs.train_ids.shape[0],
                                         passes=r.budget_passes).rows(total)
-    return BudgetFit(total, rows, costs, info)
+    return BudgetFit(total, rows, costs, info, eval_every if costs is not None else None)
 
 
 def compute_spent(p, trainer) -> dict:

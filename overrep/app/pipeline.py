@@ -292,11 +292,10 @@ class Pipeline:
         self.note_cache()
         if self.recovery.search_seconds:
             self.timings["search"] = self.recovery.search_seconds
-        self.metrics.update(method=self.method.name, objective=self.method.objective,
-                            trainable_params=self.recovery.trainable_params,
-                            recovery_ratio=self.recovery.trainable_params / self.metrics["pruned_params"])
-        self.metrics.update(lr=self.rcfg.lr, precision=self.rcfg.precision,  # precision: resolved for the device
-                            loss=self.recovery.describe().get("loss"))  # the layer-wise loss; None for LM/KD
+        self.metrics.update(method=self.method.name, objective=self.method.objective, lr=self.rcfg.lr,
+                            trainable_params=self.recovery.trainable_params, precision=self.rcfg.precision,
+                            recovery_ratio=self.recovery.trainable_params / self.metrics["pruned_params"],
+                            loss=self.recovery.describe().get("loss"))  # precision: resolved; loss: None for LM/KD
 
     def method_inputs(self) -> MethodInputs:
         return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,  # probes: never test
@@ -312,12 +311,12 @@ class Pipeline:
         """The dense side of the plan: features (``cache.mode``) and loss constants, cached
         under ``cache.dir`` keyed by model, plan, data and sequence length."""
         c = self.cfg.cache
-        fingerprint = {"model": self.model_fp, "plan": self.plan.to_dict(),
-                       "data": self.data_info.get("train_fingerprint"), "seq_len": self.cfg.data.seq_len,
-                       "model_dtype": str(self.dense.dtype).removeprefix("torch.")}
-        stream = Path(self.model_info["folder"]) if c.teacher == "stream" else None
+        fingerprint = {"model": self.model_fp, "plan": self.plan.to_dict(), "data": self.data_info.get("train_fingerprint"),
+                       "seq_len": self.cfg.data.seq_len, "model_dtype": str(self.dense.dtype).removeprefix("torch."),
+                       "precision": self.rcfg.precision}
         return Teacher(self.dense, self.plan, self.train_ids, self.cache_root, fingerprint, mode=c.mode, dtype=c.dtype,
-                       rebuild=c.rebuild, progress=self.progress, world=self.world, stream_from=stream)
+                       rebuild=c.rebuild, progress=self.progress, world=self.world, precision=self.rcfg.precision,
+                       stream_from=Path(self.model_info["folder"]) if c.teacher == "stream" else None)
 
     def features(self):
         """Build (or open) the feature cache: ``overrep cache``."""
@@ -340,12 +339,13 @@ class Pipeline:
         run = {k: v for k, v in cfg.to_dict().items() if k != "output"}
         run["recovery"].pop("shard")  # sharded or not, the same checkpoints
         fingerprint = digest({"cfg": run, "model": self.model_fp})
+        cadence = None if objective is not None or self.budget is None else self.budget.eval_every  # validation_share
         objective = objective if objective is not None else self.recovery.objective
         if self.rcfg.shard == "fsdp":  # before the optimiser: it steps the shards
             shard_objective(objective, self.world)
         trainer = Trainer(objective, self.train_ids.shape[0], self.rcfg, self.total_steps, self.out / "checkpoints",
                           tokens_per_sample=cfg.data.seq_len, fingerprint=fingerprint, progress=self.progress,
-                          world=self.world)
+                          world=self.world, eval_every=cadence)
         if self.resume if resume is None else resume:
             trainer.resume()
         return trainer
@@ -357,7 +357,7 @@ class Pipeline:
         self.trainer = trainer = self.make_trainer()
         if self.budget is not None and self.budget.costs is not None and trainer.step == 0:  # re-fit once it runs
             trainer.deadline = Deadline(self.recovery_started + parse_duration(r.time_budget), self.budget.costs,
-                                        r.eval_every, r.checkpoint_every)
+                                        trainer.eval_every, r.checkpoint_every)
         result = trainer.run()
         gather(self.recovery.objective)  # recovery.shard: fsdp -- full plain blocks again, for the merge
         if self.budget is not None:

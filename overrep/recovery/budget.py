@@ -77,8 +77,23 @@ class StepCosts:
         return min(self.max_rows, max(need, self.rows_per_step))
 
     def run_seconds(self, steps: int, eval_every: int, checkpoint_every: int) -> float:
-        return (steps * self.step + math.ceil(steps / eval_every) * self.validation
+        """Seconds ``steps`` steps take with a validation every ``eval_every`` (0: none)."""
+        validations = math.ceil(steps / eval_every) if eval_every else 0
+        return (steps * self.step + validations * self.validation
                 + math.ceil(steps / checkpoint_every) * self.checkpoint + self.rows(steps) * self.row)
+
+
+def validation_plan(budget: float, share: float, costs: StepCosts) -> int:
+    """How many validations a budget of ``budget`` seconds affords when they may take at
+    most ``share`` of it (``recovery.validation_share``): a validation every step of the
+    default cadence cost a 12-minute run a quarter of its time for a choice that moved the
+    result by < 0.5% (docs/speed.md)."""
+    return int(share * budget // costs.validation) if costs.validation > 0 else 0
+
+
+def spread(steps: int, validations: int) -> int:
+    """``eval_every`` that spreads ``validations`` evenly over ``steps``, the last at the end (0: none)."""
+    return math.ceil(steps / validations) if validations > 0 else 0
 
 
 def fit_steps(seconds_left: float, costs: StepCosts, eval_every: int, checkpoint_every: int) -> int:

@@ -43,7 +43,8 @@ class TrainingOptions:
     alpha_linear_ratio: float = 0.2  # annealed activation: rho_l (final linear phase)
     seed: int = 0  # initialisation / batch-order seed
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
-    eval_every: int = 50  # steps between validation measurements (val_loss; val_ppl on data.validation_sequences rows)
+    eval_every: int = 50  # steps between validation measurements (val_loss; val_ppl on data.validation_sequences rows); a time-budgeted run sets its own (validation_share)
+    validation_share: float = 0.05  # time-budgeted runs: the most of the budget the validations during training (keep_best, val_ppl in the log) may take, spread evenly, the last at the end; none where one does not fit (the report scores the validation rows anyway)
     keep_best: bool = True  # end at the checkpoint of lowest val_ppl (among those that fold exactly: alpha = 0) when it beats the last step; needs validation rows
     threads: int | None = None  # torch CPU threads (None = torch's default)
     precision: str = "auto"  # training forward of every method: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32" | "auto" (bf16 where the device has bf16 instructions: AVX512-BF16/AMX CPUs, GPUs; else fp32); see docs/speed.md
@@ -57,6 +58,8 @@ class TrainingOptions:
             parse_duration(self.time_budget)
         if not (self.budget_passes >= 1 and math.isfinite(self.budget_passes)):
             raise OverRepError(f"recovery.budget_passes must be a number >= 1, got {self.budget_passes}")
+        if not 0 <= self.validation_share < 1:
+            raise OverRepError(f"recovery.validation_share must be in [0, 1), got {self.validation_share}")
         if self.steps is None and self.epochs <= 0:
             raise OverRepError(f"recovery.epochs must be > 0, got {self.epochs}")
         for name in ("batch_size", "grad_accum", "checkpoint_every", "eval_every"):

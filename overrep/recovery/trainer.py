@@ -106,7 +106,7 @@ class Trainer:
 
     def __init__(self, objective: Objective, num_samples: int, cfg: TrainingOptions, total_steps: int,
                  ckpt_dir: Path, tokens_per_sample: int = 0, fingerprint: str = "", progress: bool = True,
-                 world: World = SINGLE):
+                 world: World = SINGLE, eval_every: int | None = None):
         world.check_divides(cfg.batch_size, "recovery.batch_size")
         self.objective, self.world = objective, world
         self.num_samples, self.cfg, self.total = num_samples, cfg, total_steps
@@ -118,6 +118,8 @@ class Trainer:
             raise OverRepError(f"batch_size x grad_accum = {self.per_step} exceeds the {num_samples} training "
                                "sequences; lower the batch or add data")
         self.steps_per_epoch = num_samples // self.per_step
+        # steps between validations (0: none); a time budget passes its own (recovery.validation_share)
+        self.eval_every = cfg.eval_every if eval_every is None else eval_every
         self.opt = make_optimizer(objective, cfg)
         # FSDP (recovery.shard): it reduces the gradients, and every rank joins gathers and validation
         self.sharded = sharding.is_sharded(objective.parameters())
@@ -186,7 +188,8 @@ class Trainer:
             return path
         state = {"step": self.step, "total_steps": self.total, "fingerprint": self.fingerprint,
                  "trainable": trainable, "optimizer": optimizer, "best": best,
-                 "history": self.history, "seconds": self.seconds, "rng": torch.get_rng_state(),
+                 "history": self.history, "seconds": self.seconds, "eval_every": self.eval_every,
+                 "rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         save_torch(path, state, "checkpoint")
         for old in sorted(self.ckpt_dir.glob("step-*.pt"))[:-2]:  # keep the two newest
@@ -209,6 +212,7 @@ class Trainer:
         load_trainable_state(self.objective, state["trainable"])
         sharding.load_optimizer_state(self.opt, state["optimizer"])
         self.step, self.history, self.seconds = state["step"], state["history"], state["seconds"]
+        self.eval_every = state.get("eval_every", self.eval_every)
         self.last_val_ppl = next((h["val_ppl"] for h in reversed(self.history) if h.get("val_ppl") is not None),
                                  None)
         best = state.get("best")
@@ -311,8 +315,8 @@ class Trainer:
                     bar.total = self.total
                 rec = {"step": self.step, "loss": total, "lr": self.opt.param_groups[0]["lr"],
                        "alpha": self.alpha, "grad_norm": float(gnorm)}
-                if (self.world.is_main or self.sharded) and (self.step % cfg.eval_every == 0
-                                                             or self.step == self.total) and self.room_to_validate():
+                if (self.world.is_main or self.sharded) and self.eval_every and (
+                        self.step % self.eval_every == 0 or self.step == self.total) and self.room_to_validate():
                     rec["val_loss"] = obj.validation_loss()
                     rec["val_ppl"] = obj.validation_ppl()
                     self.last_val_ppl = rec["val_ppl"]
