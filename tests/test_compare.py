@@ -205,6 +205,14 @@ def test_variants_plans_and_closed_forms_in_one_grid(assets, tmp_path):
     assert (out / "cache" / "eval").is_dir() and any((out / "cache" / "eval").iterdir())
     text = (out / "results.md").read_text()
     assert "| replaceme | 0 |" in text and "(fit)" in text and "Machine and precision:" in text
+    assert len({r["code"] for r in rows.values()}) == 1 and "Code: " in text and "more than one version" not in text
+    # a cell written by other code is flagged in the table, not mixed in silently
+    m_path = out / "cells" / rows[("replaceme", "0s")]["cell"].split("/")[-1] / "metrics.json"
+    m = json.loads(m_path.read_text())
+    m["environment"]["code"] = "000000000000"
+    m_path.write_text(json.dumps(m))
+    assert main(["compare", "--config", config, "--quiet", "--collect-only"]) == 0
+    assert "cells from more than one version of the code" in (out / "results.md").read_text()
 
 
 def test_criteria_on_the_command_line_pick_from_the_plans(assets, tmp_path):

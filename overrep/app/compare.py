@@ -384,7 +384,8 @@ def _protocol_figures(m: dict) -> dict:
     test = rec.get("test") or {}
     budget = m.get("time_budget") or {}
     gen = m.get("recovered_generation") or {}
-    return {"machine": (m.get("environment") or {}).get("machine"), "precision": m.get("precision"),
+    env = m.get("environment") or {}
+    return {"machine": env.get("machine"), "precision": m.get("precision"), "code": env.get("code"),
             "ppl_low": test.get("low"), "ppl_high": test.get("high"), "test_tokens": test.get("tokens"),
             "dense_ppl_low": (dense.get("test") or {}).get("low"),
             "dense_ppl_high": (dense.get("test") or {}).get("high"),

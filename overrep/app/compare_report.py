@@ -95,6 +95,10 @@ def markdown(results: dict) -> str:
         lines.append("Machine and precision: " + "; ".join(f"{m}, {p}" for m, p in machines)
                      + (" -- **more than one: do not compare these rows by time**" if len(machines) > 1 else "")
                      + ".")
+    codes = sorted({r.get("code") or "not recorded" for r in ok_rows})
+    if codes:
+        lines.append("Code: " + ", ".join(codes) + (" -- **cells from more than one version of the code**"
+                                                     if len(codes) > 1 else "") + ".")
     dense = results.get("dense", {})
     if dense.get("ppl") is not None:
         d = next((r for r in ok_rows if r.get("dense_ppl_low") is not None), {})

@@ -16,7 +16,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import platform
 import time
 from pathlib import Path
 
@@ -52,7 +51,7 @@ from .budgeting import BudgetFit, checkpointed_total, compute_spent, fit_budget
 from .config import RunConfig
 from .export import export_checked, export_model
 from .outdir import RunFolder
-from .runinfo import how_it_ran, processor
+from .runinfo import environment, how_it_ran
 
 log = logging.getLogger(__name__)
 
@@ -441,8 +440,7 @@ class Pipeline:
             "model": self.model_info["source"], "peak_memory_bytes": peak_memory_bytes(self.device),
             "data": {k: v for k, v in self.data_info.items() if not isinstance(v, (list, dict))},
             "timings_seconds": self.timings, "total_seconds": time.perf_counter() - t_start,
-            "environment": {"overrep": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "python": platform.python_version(), "machine": processor(self.device)},
+            "environment": environment(self.device),
         })
         from .report import write_report
         write_report(self.out, self.metrics, self.history, self.cfg)

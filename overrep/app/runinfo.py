@@ -7,7 +7,10 @@ count to rank 0 with one ``all_gather_object`` under ``torchrun``); the result g
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import platform
+from pathlib import Path
 
 import torch
 
@@ -55,3 +58,26 @@ def processor(device: torch.device) -> str:
         return name
     bf16 = "AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else "no bf16 instructions"
     return f"{name} ({platform.machine()}, {bf16})"
+
+
+def environment(device: torch.device) -> dict:
+    """``metrics.json["environment"]``: versions, code, threads and the machine."""
+    from .. import __version__
+
+    return {"overrep": __version__, "code": code_fingerprint(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version(), "machine": processor(device)}
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A digest of this installation's Python sources (12 hex digits): two runs with the same
+    one ran the same code, whether installed from a wheel or a checkout. A comparison grid
+    reads it to flag cells written by different versions (:mod:`overrep.app.compare_report`)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+code_fingerprint()  # at import: the code this process loaded, even if the files change while it runs
