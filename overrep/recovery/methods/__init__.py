@@ -19,13 +19,14 @@ rankadaptor    LoRA, per-block ranks (mean r) a performance-model    language mo
 full-ft        every retained block, all weights                     language modelling
 logit-kd       every retained block, all weights                     KL to dense logits
 overrep-kd     OverRep's recovery blocks                             KL to dense logits
+overrep-lm     OverRep's recovery blocks                             language modelling
 restorelcc     2 x head_dim vectors on the attention heads a probe   language modelling
                found pruning hurt most (RestoreLCC), merged as o bias
 =============  ===============================================  ======================
 
 One module per family: :mod:`.layerwise` (overrep, plain, streamline), :mod:`.adapters`
 (lora, adalora, lora-iso; rankadaptor's search in :mod:`.rankadaptor`), :mod:`.whole_model`
-(full-ft, logit-kd, overrep-kd), :mod:`.restorelcc` (restorelcc; its probe in
+(full-ft, logit-kd, overrep-kd, overrep-lm), :mod:`.restorelcc` (restorelcc; its probe in
 :mod:`.restorelcc_probe`); what they share is in :mod:`.base`. A method receives a
 :class:`~overrep.recovery.teacher.MethodInputs`
 (models, plan, data, its config section, the teacher) and nothing else.
@@ -47,7 +48,7 @@ from .closed_form import ClosedFormOptions, ClosedFormRun, prepare as prepare_cl
 from .layerwise import LayerwiseRun
 from .rankadaptor import RankAdaptorOptions, RankAdaptorRun
 from .restorelcc import RestoreLCCOptions, RestoreLCCRun
-from .whole_model import FullRun, KDOptions, OvercompleteKDRun
+from .whole_model import FullRun, KDOptions, OvercompleteRun
 
 _LAYERWISE = dict(run=LayerwiseRun, objective="layerwise", default_lr=1e-3, family="layerwise", options=(LossOptions,),
                   needs_features=True, shardable=True)
@@ -75,8 +76,10 @@ for _m in [
            planned_account=False),
     Method("logit-kd", "every retained block trained on forward KL to the dense model's logits (tau=1)", FullRun,
            "kd", 1e-4, "full", options=(KDOptions,), planned_account=False),
-    Method("overrep-kd", "OverRep's parameterisation trained with the logit-KD objective", OvercompleteKDRun, "kd",
-           1e-3, "overcomplete-kd", options=(KDOptions,)),
+    Method("overrep-kd", "OverRep's parameterisation trained with the logit-KD objective", OvercompleteRun, "kd",
+           1e-3, "overcomplete", options=(KDOptions,)),
+    Method("overrep-lm", "OverRep's parameterisation trained with the language-model loss (no teacher), folded back "
+           "exactly", OvercompleteRun, "lm", 1e-3, "overcomplete"),
     Method("restorelcc", "RestoreLCC: lost-component vectors on the attention heads a probe found pruning hurt most, "
            "language-model loss, merged as an o_proj bias", RestoreLCCRun, "lm", 1e-3, "lost-components",
            options=(RestoreLCCOptions,),

@@ -30,7 +30,7 @@ class Method:
     run: type  # the MethodRun subclass that sets the method up on one pruned model
     objective: str  # "layerwise" (recovery.loss on teacher features) | "lm" (next-token loss) | "kd" (KL to dense logits)
     default_lr: float
-    family: str  # what trains, in the provenance: "layerwise" | "adapter" | "full" | "overcomplete-kd" | "lost-components"
+    family: str  # what trains, in the provenance: "layerwise" | "adapter" | "full" | "overcomplete" | "lost-components"
     options: tuple = ()  # the options dataclasses it reads (their fields are its recovery.* keys)
     preset: str | None = None  # forced preset (None: recovery.preset)
     blocks: int | None = None  # forced recovery blocks per run (None: recovery.blocks)

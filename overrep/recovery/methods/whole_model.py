@@ -1,6 +1,11 @@
 """Methods trained end to end through the whole pruned model: full fine-tuning and logit
 distillation of every retained block, and OverRep's parameterisation on the logit-KD
-objective (``overrep-kd``)."""
+objective (``overrep-kd``) or on the language-model loss (``overrep-lm``).
+
+``overrep-lm`` separates the two things a comparison of OverRep with iso-parameter LoRA
+mixes: the parameterisation (overcomplete recovery blocks, folded back exactly) and the
+objective (a layer-wise loss on the dense model's features against the next-token loss of
+the whole model). It is OverRep's modules on LoRA's objective: no teacher, no features."""
 
 from __future__ import annotations
 
@@ -26,19 +31,23 @@ class KDOptions:
             raise OverRepError(f"recovery.kd_tau must be > 0, got {self.kd_tau}")
 
 
-class OvercompleteKDRun(MethodRun):
-    """OverRep's recovery blocks trained end to end on the logit-KD objective."""
+class OvercompleteRun(MethodRun):
+    """OverRep's recovery blocks trained end to end: on the logit-KD objective (``kd``) or
+    the language-model loss (``lm``), as the method's ``objective`` says."""
 
     def __init__(self, inputs: MethodInputs, method: Method, *, with_data: bool = True):
         super().__init__(inputs, method, with_data=with_data)
         self.preset = get_preset(method.preset or inputs.config.preset)
         model = self.model_for(self.preset)
         self.modules = apply_preset(model, inputs.plan, self.preset)
-        params = unique_trainable(self.modules)
-        self.objective = LogitDistillation(model, inputs.dense, inputs.train_ids, inputs.val_ids,
-                                           params=params, activations=[m.activation for m in self.modules],
-                                           decayed=set().union(*(pretrained_matrix_ids(m) for m in self.modules)),
-                                           tau=inputs.config.kd_tau, precision=inputs.config.precision)
+        trained = dict(params=unique_trainable(self.modules), activations=[m.activation for m in self.modules],
+                       decayed=set().union(*(pretrained_matrix_ids(m) for m in self.modules)),
+                       precision=inputs.config.precision)
+        if method.objective == "lm":
+            self.objective = LanguageModeling(model, inputs.train_ids, inputs.val_ids, **trained)
+        else:
+            self.objective = LogitDistillation(model, inputs.dense, inputs.train_ids, inputs.val_ids,
+                                               tau=inputs.config.kd_tau, **trained)
 
     def finish(self) -> dict:
         at_last_trained_step(self.objective.activations)
