@@ -55,7 +55,7 @@ def no_deadline_stop(monkeypatch):
     land on the deadline, and stopping there is tested on its own below."""
     from overrep.recovery.trainer import Trainer
 
-    monkeypatch.setattr(Trainer, "past_deadline", lambda self: False)
+    monkeypatch.setattr(Trainer, "past_deadline", lambda self, step_seconds=(): False)
 
 
 def test_budgeted_run_fixes_its_steps_and_completes_its_schedules(assets, tmp_path, monkeypatch):
@@ -245,5 +245,51 @@ def test_a_budgeted_run_stops_at_its_deadline_and_still_folds(assets, tmp_path, 
                           recovery__time_budget="4s", recovery__checkpoint_every=1000), progress=False).run()
     tb = m["time_budget"]
     assert tb["stopped_at_step"] is not None and m["train_steps"] == tb["stopped_at_step"] < 100_000
-    assert tb["used_seconds"] < 4.0 + 3.0  # the step that crossed the deadline, then the final bookkeeping
+    assert tb["used_seconds"] < 4.0 + 3.0  # the final bookkeeping
     assert m["merge_max_rel_diff"] <= 1e-5 and m["train_flops"] > 0
+
+
+def test_a_run_of_long_steps_stops_before_a_step_that_would_end_past_its_deadline(assets, tmp_path, monkeypatch):
+    """A step of a large share of the budget is not started when it would end after the
+    deadline: the run ends within its budget instead of overrunning it by most of a step."""
+    import time
+
+    from overrep.recovery.trainer import Trainer
+
+    import overrep.app.budgeting as budgeting
+
+    real_step = Trainer._step
+
+    def slow_step(self):
+        time.sleep(0.9)
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.001, 0.0, 0.0))
+    monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 1000)
+    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 1000)
+    monkeypatch.setattr(Trainer, "_step", slow_step)
+    m = Pipeline(tiny_cfg(assets, tmp_path / "run", eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                          recovery__time_budget="5s", recovery__checkpoint_every=1000), progress=False).run()
+    tb = m["time_budget"]
+    assert tb["stopped_at_step"] == m["train_steps"] >= 1
+    assert tb["used_seconds"] <= 5.0, tb  # before: the step that crossed the deadline ran to its end
+    assert m["merge_max_rel_diff"] <= 1e-5 and m["train_flops"] > 0
+
+
+def test_the_probe_times_a_validation_on_a_sample_of_its_rows():
+    """A budget learns what a validation costs from a quarter of its rows, scaled up, not from
+    a whole one (at a short budget a whole one was up to a fifth of it); the rows are all back
+    afterwards, also when the timing fails."""
+    from overrep.recovery.objectives import LanguageModeling
+    from overrep.recovery.trainer import VALIDATION_PROBE_FRACTION
+
+    from tiny import tiny_ids, tiny_model
+
+    objective = LanguageModeling(tiny_model("llama"), tiny_ids(8, 32), tiny_ids(12, 32, seed=1))
+    with objective.validation_sample(VALIDATION_PROBE_FRACTION) as scale:
+        assert objective.val_ids.shape[0] == 3 and scale == 4.0
+        assert objective.validation_ppl() > 1
+    assert objective.val_ids.shape[0] == 12
+    with pytest.raises(RuntimeError), objective.validation_sample(0.5):
+        raise RuntimeError("timing failed")
+    assert objective.val_ids.shape[0] == 12

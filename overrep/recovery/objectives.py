@@ -16,7 +16,9 @@ of a micro-batch of training-row indices, and any state of its own.
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,12 @@ class Objective:
         """Held-out perplexity of the pruned model as it stands (a few rows; None: not measured)."""
         return None
 
+    @contextmanager
+    def validation_sample(self, fraction: float) -> Iterator[float]:
+        """Inside, a validation reads only about ``fraction`` of its rows, so that a budget
+        can time one cheaply; yields the factor from that timing to a whole validation's."""
+        yield 1.0
+
     def train(self, mode: bool = True) -> None:
         pass
 
@@ -87,6 +95,11 @@ class Objective:
 
     def load_extra_state(self, state: dict) -> None:
         pass
+
+
+def _kept(rows: int, fraction: float) -> int:
+    """Rows a validation sample of ``fraction`` keeps: at least one, at most all."""
+    return min(rows, max(1, math.ceil(rows * fraction)))
 
 
 def unique_trainable(modules) -> list[nn.Parameter]:
@@ -167,6 +180,22 @@ class Layerwise(Objective):
         self.train(True)
         return loss
 
+    @contextmanager
+    def validation_sample(self, fraction):
+        batch, ids = self.val_batch, self.ppl_ids
+        factors = [1.0]
+        if batch:
+            keep = _kept(len(batch[0]["inputs"]), fraction)
+            self.val_batch = [{k: v[:keep] for k, v in f.items()} for f in batch]
+            factors.append(len(batch[0]["inputs"]) / keep)
+        if ids is not None:
+            self.ppl_ids = ids[:_kept(len(ids), fraction)]
+            factors.append(len(ids) / len(self.ppl_ids))
+        try:
+            yield max(factors)
+        finally:
+            self.val_batch, self.ppl_ids = batch, ids
+
     @torch.no_grad()
     def validation_ppl(self):
         if self.ppl_model is None or self.ppl_ids is None:
@@ -225,6 +254,18 @@ class _WholeModel(Objective):
                   for i in range(0, self.val_ids.shape[0], 4)]
         self.train(True)
         return sum(losses) / len(losses)
+
+    @contextmanager
+    def validation_sample(self, fraction):
+        ids = self.val_ids
+        if ids is None:
+            yield 1.0
+            return
+        self.val_ids = ids[:_kept(len(ids), fraction)]
+        try:
+            yield len(ids) / len(self.val_ids)
+        finally:
+            self.val_ids = ids
 
     @torch.no_grad()
     def validation_ppl(self):
