@@ -22,6 +22,7 @@ from ..core.precision import autocast
 from ..data.cache import build_or_open
 from ..distributed import SINGLE, World
 from ..model.hooks import teacher_features
+from ..model.placement import input_device
 from ..model.streaming import stream_features
 from ..model.runtime import digest
 from ..model.surgery import PrunePlan
@@ -70,7 +71,8 @@ class Teacher:
         CPU, within 1% of the fp32 features: docs/speed.md); stored as ``dtype``."""
         groups = self.plan.groups
         device = self.dense.get_input_embeddings().weight.device
-        with autocast(self.precision, device):
+        # where the forward computes: a placed model's embedding weights may sit on "meta"
+        with autocast(self.precision, input_device(self.dense)):
             if self.stream_from is not None:
                 return stream_features(self.stream_from, ids.cpu(), groups, dtype=self.dense.dtype,
                                        batch=TEACHER_BATCH, outside_from=self.dense, device=device)
