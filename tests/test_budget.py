@@ -272,7 +272,8 @@ def test_a_run_of_long_steps_stops_before_a_step_that_would_end_past_its_deadlin
                           recovery__time_budget="5s", recovery__checkpoint_every=1000), progress=False).run()
     tb = m["time_budget"]
     assert tb["stopped_at_step"] == m["train_steps"] >= 1
-    assert tb["used_seconds"] <= 5.0, tb  # before: the step that crossed the deadline ran to its end
+    # a tenth of a step for timer jitter; before, the step that crossed the deadline ran to its end
+    assert tb["used_seconds"] <= 5.0 + 0.1, tb
     assert m["merge_max_rel_diff"] <= 1e-5 and m["train_flops"] > 0
 
 

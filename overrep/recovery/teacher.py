@@ -70,9 +70,8 @@ class Teacher:
         in the training's precision (bf16 autocast computes them 2.7x faster on an AVX512-BF16
         CPU, within 1% of the fp32 features: docs/speed.md); stored as ``dtype``."""
         groups = self.plan.groups
-        device = self.dense.get_input_embeddings().weight.device
-        # where the forward computes: a placed model's embedding weights may sit on "meta"
-        with autocast(self.precision, input_device(self.dense)):
+        device = input_device(self.dense)  # where it computes (a placed model's weights may sit on "meta")
+        with autocast(self.precision, device):
             if self.stream_from is not None:
                 return stream_features(self.stream_from, ids.cpu(), groups, dtype=self.dense.dtype,
                                        batch=TEACHER_BATCH, outside_from=self.dense, device=device)
