@@ -200,11 +200,13 @@ def test_variants_plans_and_closed_forms_in_one_grid(assets, tmp_path):
         r = rows[key]
         assert r["ppl_low"] <= r["ppl"] <= r["ppl_high"] and r["train_flops"] > 0 and r["feature_flops"] > 0
         assert 0 < r["used_seconds"] <= 6.0 * 1.5 and r["machine"] and r["precision"]
+        assert r["domain_ratios"] == {}  # one training source: no per-domain ratios (see the test below)
     assert rows[("replaceme", "0s")]["steps"] == 0 and rows[("replaceme", "0s")]["closed_form_seconds"] > 0
     # the cells share the grid's dense / unrecovered figures and criterion scores
     assert (out / "cache" / "eval").is_dir() and any((out / "cache" / "eval").iterdir())
     text = (out / "results.md").read_text()
     assert "| replaceme | 0 |" in text and "(fit)" in text and "Machine and precision:" in text
+    assert "| × dense: " in text
     assert len({r["code"] for r in rows.values()}) == 1 and "Code: " in text and "more than one version" not in text
     # a cell written by other code is flagged in the table, not mixed in silently
     m_path = out / "cells" / rows[("replaceme", "0s")]["cell"].split("/")[-1] / "metrics.json"
@@ -258,3 +260,13 @@ def test_collect_only_runs_no_cell_and_lists_the_unfinished_ones(assets, tmp_pat
     assert {(r["method"], r["status"]) for r in rows} == {("plain", "ok"), ("lora", "not run")}
     text = (tmp_path / "grid" / "results.md").read_text()
     assert "| plain | 0 |" in text and "Not run yet: lora (seed 0)." in text and "| lora |" not in text
+
+
+def test_per_domain_ratios_leave_the_unseen_corpora_out():
+    """The grid's per-domain column: recovered / dense on each training domain's test rows."""
+    from overrep.app.compare import _domain_ratios
+
+    m = {"recovered_ppl_domains": {"wiki": 30.0, "ptb": 80.0, "lambada": 120.0},
+         "dense_ppl_domains": {"wiki": 20.0, "ptb": 160.0, "lambada": 60.0}}
+    assert _domain_ratios(m, unseen={"lambada"}) == {"wiki": 1.5, "ptb": 0.5}
+    assert _domain_ratios({}, unseen=set()) == {}

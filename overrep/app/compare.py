@@ -392,11 +392,20 @@ def _protocol_figures(m: dict) -> dict:
             "ratio_to_dense": (rec.get("test_vs_dense") or {}).get("ratio"),
             "val_ppl": (rec.get("validation") or {}).get("value"),
             "unseen_ppl": {k: v.get("value") for k, v in (rec.get("unseen") or {}).items()},
+            "domain_ratios": _domain_ratios(m, unseen=set(rec.get("unseen") or {})),
             "used_seconds": budget.get("used_seconds"), "stopped_at_deadline": budget.get("stopped_at_step"),
             "train_flops": m.get("train_flops"), "feature_flops": m.get("feature_flops"),
             "lambada_last_word": (gen.get("lambada_last_word") or {}).get("value"),
             "distinct_2": gen.get("distinct_2"),
             "closed_form_seconds": _fit_seconds(m.get("closed_form") or {})}
+
+
+def _domain_ratios(m: dict, unseen: set[str]) -> dict[str, float]:
+    """Recovered / dense perplexity on each test domain the run trained on (unseen corpora aside):
+    the pooled figure is their geometric mean, so one domain where a method overtakes the dense
+    model (by learning the corpus's own format) can carry it."""
+    rec, dense = m.get("recovered_ppl_domains") or {}, m.get("dense_ppl_domains") or {}
+    return {d: rec[d] / dense[d] for d in rec if d not in unseen and dense.get(d)}
 
 
 def _fit_seconds(fit: dict) -> float:
