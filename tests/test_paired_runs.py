@@ -18,10 +18,16 @@ def paired(*args) -> subprocess.CompletedProcess:
 
 
 def test_two_runs_are_paired_on_the_rows_they_were_evaluated_on(assets, tmp_path):
+    # two training sources, so that the validation and test rows have domains
+    lines = (assets / "corpus.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "first.jsonl").write_text("".join(lines[::2]))
+    (tmp_path / "second.jsonl").write_text("".join(lines[1::2]))
+    source = f"{tmp_path / 'first.jsonl'}+{tmp_path / 'second.jsonl'}"
     runs = []
     for method, steps in (("overrep", 3), ("plain", 3)):
         cfg = tiny_cfg(assets, tmp_path / method, recovery__method=method, recovery__steps=steps,
-                       eval__latency=False, eval__generation=False)
+                       eval__latency=False, eval__generation=False, data__source=source,
+                       data__heldout_sequences=8, data__validation_sequences=8)
         Pipeline(cfg, progress=False).run()
         runs.append(tmp_path / method)
     out = tmp_path / "paired.json"
@@ -29,20 +35,23 @@ def test_two_runs_are_paired_on_the_rows_they_were_evaluated_on(assets, tmp_path
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {"validation", "test"} <= set(rows) and any(k.startswith("unseen: ") for k in rows)
+    assert sum(k.startswith("test: ") for k in rows) == 2 and sum(k.startswith("validation: ") for k in rows) == 2
     ref, other = str(runs[0]), str(runs[1])
     for name, row in rows.items():
         mine = row[ref]["perplexity"]
         assert mine["low"] <= mine["value"] <= mine["high"], name
-        # the run's own report has the same figure: the same rows, scored the same way
-        if name == "test":
-            m = json.loads((runs[0] / "metrics.json").read_text())
-            assert abs(mine["value"] - m["recovered_ppl"]) < 1e-3 * m["recovered_ppl"]
-            assert abs(row["dense"]["value"] - m["dense_ppl"]) < 1e-3 * m["dense_ppl"]
         assert row[other]["vs_reference"]["low"] <= row[other]["vs_reference"]["value"] <= \
             row[other]["vs_reference"]["high"]
-    # each model's ratio to dense is its perplexity over the dense one; the table names both runs
-    assert all(abs(row[ref]["vs_dense"]["value"] - row[ref]["perplexity"]["value"] / row["dense"]["value"]) < 1e-6
-               for row in rows.values())
+    # the runs' own reports have the same figures: the same rows and documents, scored the same
+    # way, the same paired bootstrap against dense
+    for run in runs:
+        m = json.loads((run / "metrics.json").read_text())
+        own, here = m["recovered_perplexity"], rows["test"][str(run)]
+        for key in ("value", "low", "high"):
+            assert abs(here["perplexity"][key] - own["test"][key]) < 1e-3 * own["test"][key]
+            assert abs(here["vs_dense"][key] - own["test_vs_dense"]["ratio"][key]) < 1e-3
+        for domain, fig in own["domains"].items():
+            assert abs(rows[f"test: {domain}"][str(run)]["perplexity"]["value"] - fig["value"]) < 1e-3 * fig["value"]
     assert "plain / overrep" in (tmp_path / "paired.md").read_text()
 
 
