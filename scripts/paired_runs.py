@@ -65,8 +65,12 @@ def main() -> None:
         p.load(create_output=False)
     # the dense scores as the runs cached them; the runs' models on perplexity only (the
     # generation check is in each run's report)
+    precisions = {json.loads((run / "metrics.json").read_text()).get("eval_precision", "fp32") for run in runs}
+    if len(precisions) > 1:
+        raise SystemExit(f"error: the runs were scored in different precisions ({', '.join(sorted(precisions))})")
+    precision = precisions.pop()  # the runs' own scoring precision
     _, dense_scores = model_figures(p.dense, p.tokenizer, p.eval_data, tag="dense", source=p.model_info["source"],
-                                    mask=False, root=p.cache_root)
+                                    mask=False, root=p.cache_root, precision=precision)
     data = replace(p.eval_data, lambada=0)
     _, names = row_strata(data.components, "test_rows", data.test.shape[0])
     _, val_names = row_strata(data.components, "validation_rows", data.validation.shape[0])
@@ -84,7 +88,7 @@ def main() -> None:
     scored = {}
     for run in runs:
         model = AutoModelForCausalLM.from_pretrained(run / "model", dtype=torch.float32).eval()
-        scored[run] = splits(score(model, p.tokenizer, data, desc=run.name))
+        scored[run] = splits(score(model, p.tokenizer, data, desc=run.name, precision=precision))
         del model
         print(f"scored {run}", file=sys.stderr, flush=True)
 

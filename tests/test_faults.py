@@ -293,6 +293,7 @@ def test_full_disk_during_a_checkpoint_leaves_no_temporary_file(assets, tmp_path
     ("output=", "output"),
     ("prune.remove=abc", "cannot parse"),
     ("recovery.checkpoint_every=0", "checkpoint_every"),
+    ("eval.precision=fp16", "eval.precision must be one of auto, fp32, bf16"),
 ])
 def test_bad_config_values_fail_in_one_line(assets, tmp_path, capsys, setting, msg):
     out = tmp_path / "run"

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from overrep.app.cli import main
 from overrep.app.config import RunConfig
 from overrep.errors import OverRepError
+from overrep.core.precision import resolve_precision
 from overrep.app.pipeline import Pipeline
 from overrep.recovery.objectives import Layerwise
 
@@ -260,6 +261,7 @@ def test_metrics_carry_validation_and_test_intervals_and_three_fingerprints(asse
     fps = [m["data"][f"{k}_fingerprint"] for k in ("train", "validation", "test")]
     assert len(set(fps)) == 3
     assert "[" in (out / "report.md").read_text()  # intervals in the report
+    assert m["eval_precision"] == resolve_precision("auto", "cpu")  # eval.precision: auto
     # a second run with the same model, mask and data reads the dense and unrecovered figures back
     caplog.set_level("INFO", logger="overrep.memo")
     again = Pipeline(tiny_cfg(assets, tmp_path / "again", eval__latency=False), progress=False).run()
@@ -301,3 +303,26 @@ def test_evaluation_sizes_are_checked_before_anything_loads():
     # the protocol's sizes: >= 48k test tokens, >= 16k per unseen corpus, 32 validation rows
     assert cfg.data.heldout_sequences * cfg.data.seq_len >= 48_000
     assert cfg.eval.domain_sequences * cfg.data.seq_len >= 16_000 and cfg.data.validation_sequences >= 32
+
+
+def test_scoring_precision_applies_to_every_figure_and_keys_the_cache(assets, tmp_path, caplog):
+    """eval.precision: bf16 runs the forward under autocast (the figures move, slightly), fp32
+    does not; the cache keeps the two apart, so a dense figure is never paired across precisions."""
+    from overrep.eval.figures import model_figures
+
+    p = Pipeline(tiny_cfg(assets, tmp_path / "run"), progress=False)
+    p.load(create_output=False)
+    caplog.set_level("INFO", logger="overrep.memo")
+    figs = {}
+    for precision in ("fp32", "bf16", "fp32"):
+        found, _ = model_figures(p.dense, p.tokenizer, p.eval_data, tag="dense", source="tiny", mask=False,
+                                 root=tmp_path / "cache", precision=precision)
+        figs.setdefault(precision, found["dense_perplexity"])
+    assert len(list((tmp_path / "cache" / "eval").glob("dense-*.pt"))) == 2
+    assert sum("reusing" in r.getMessage() for r in caplog.records) == 1  # the second fp32 call
+    fp32, bf16 = figs["fp32"], figs["bf16"]
+    for split in ("test", "validation"):
+        assert bf16[split]["value"] != fp32[split]["value"]  # the autocast is really on
+        assert bf16[split]["value"] == pytest.approx(fp32[split]["value"], rel=0.02)
+    for name in fp32["unseen"]:
+        assert bf16["unseen"][name]["value"] == pytest.approx(fp32["unseen"][name]["value"], rel=0.02)

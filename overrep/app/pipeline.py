@@ -244,9 +244,11 @@ class Pipeline:
         mask, root = tag != "dense" and self.plan.to_dict(), None if tag == "recovered" else self.cache_root
         if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
             data = self.eval_data.baseline() if tag == "pruned" and ev.unrecovered == "test" else self.eval_data
+            precision = resolve_precision(ev.precision, self.device)
             found, scores = model_figures(model, self.tokenizer, data, tag=tag, progress=self.progress,
                                           source=self.model_info["source"], mask=mask, root=root,
-                                          dense=self.dense_scores)  # raises on a non-finite perplexity
+                                          dense=self.dense_scores, precision=precision)  # raises on a non-finite perplexity
+            self.metrics["eval_precision"] = precision
             self.metrics.update(found)
             self.dense_scores = scores if tag == "dense" else self.dense_scores
         if ev.latency and not onload.is_onloaded(model):  # generating would read every block per token

@@ -147,7 +147,8 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         f"Test text: {cfg.data.heldout_sequences} sequences of {cfg.data.seq_len} tokens from `{cfg.data.source}` "
         f"({_fmt((m.get('data') or {}).get('test_tokens'))} tokens); validation: {cfg.data.validation_sequences} "
         "sequences; train, validation and test share no document, and nothing that trains or chooses reads "
-        "the test rows.", "",
+        "the test rows." + (f" Scored with the forward in {m['eval_precision']} (logits in fp32)."
+                            if m.get("eval_precision") else ""), "",
         *_domain_table(m),
         *_generation_table(m),
         "## Recovery", "",

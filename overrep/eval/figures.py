@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
+from ..core.precision import autocast
 from ..errors import OverRepError
 from ..memo import digest, memoised, tensor_digest
+from ..model.placement import input_device
 from ..model.runtime import model_fingerprint
 from .generation import document_starts, lambada_passages, last_word_accuracy, repetition
 from .heldout import row_strata, score_rows
@@ -70,8 +72,15 @@ def eval_data(splits, unseen: dict, ev) -> EvalData:
                     ev.generation_prompts, 16, ev.generation_tokens)
 
 
-def score(model, tokenizer, data: EvalData, *, desc: str = "", progress: bool = False) -> dict:
-    """Per-document scores of ``model`` (savable: tensors and plain values)."""
+def score(model, tokenizer, data: EvalData, *, desc: str = "", progress: bool = False,
+          precision: str = "fp32") -> dict:
+    """Per-document scores of ``model`` (savable: tensors and plain values), its forward in
+    ``precision`` ("fp32", or "bf16": autocast; logits and sums stay fp32 either way)."""
+    with autocast(precision, input_device(model)):
+        return _score(model, tokenizer, data, desc, progress)
+
+
+def _score(model, tokenizer, data: EvalData, desc: str, progress: bool) -> dict:
     strata, _ = row_strata(data.components, "test_rows", data.test.shape[0])
     out = {"test": score_rows(model, data.test, data.test_units, strata, desc=f"test {desc}",
                               progress=progress).to_state()}
@@ -89,9 +98,11 @@ def score(model, tokenizer, data: EvalData, *, desc: str = "", progress: bool = 
 
 
 def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, mask: dict | None,
-                  root: Path | None, dense: dict | None = None, progress: bool = False) -> tuple[dict, dict]:
+                  root: Path | None, dense: dict | None = None, progress: bool = False,
+                  precision: str = "fp32") -> tuple[dict, dict]:
     """``(metrics entries, scores)`` of one model; scores are read from / written to ``root``
-    (``None``: never cached, e.g. a recovered model) keyed by model, mask, data and protocol.
+    (``None``: never cached, e.g. a recovered model) keyed by model, mask, data, precision and
+    protocol. Models paired with ``dense`` should be scored in the dense scores' precision.
 
     Metrics entries: ``{tag}_ppl`` (test perplexity), ``{tag}_ppl_domains`` (per test domain
     and unseen corpus), ``{tag}_perplexity`` (``validation`` and ``test`` as ``{value, low,
@@ -99,13 +110,13 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     ``test_vs_dense``: the paired ratio and difference) and ``{tag}_generation``.
     """
     def compute() -> dict:
-        return score(model, tokenizer, data, desc=tag, progress=progress)
+        return score(model, tokenizer, data, desc=tag, progress=progress, precision=precision)
 
     if root is None:
         scores = compute()
     else:
         key = {"model": model_fingerprint(model, source), "mask": mask, "dtype": str(model.dtype),
-               "data": data.fingerprint(), "protocol": PROTOCOL, "resamples": RESAMPLES}
+               "precision": precision, "data": data.fingerprint(), "protocol": PROTOCOL, "resamples": RESAMPLES}
         scores = memoised(Path(root) / "eval" / f"{tag}-{digest(key)}.pt", compute, f"{tag} evaluation")[0]
     test = Scored.from_state(scores["test"])
     _, names = row_strata(data.components, "test_rows", data.test.shape[0])
