@@ -9,6 +9,7 @@ import yaml
 
 from overrep.app.cli import main
 from overrep.app.compare import Compare, CompareConfig
+from overrep.core.precision import resolve_precision
 from overrep.errors import OverRepError
 
 
@@ -207,6 +208,8 @@ def test_variants_plans_and_closed_forms_in_one_grid(assets, tmp_path):
     text = (out / "results.md").read_text()
     assert "| replaceme | 0 |" in text and "(fit)" in text and "Machine and precision:" in text
     assert "| × dense: " in text
+    scoring = resolve_precision("auto", "cpu")  # eval.precision: auto, stated with the machine
+    assert {r["scoring"] for r in rows.values()} == {scoring} and f"{scoring} scoring" in text
     assert len({r["code"] for r in rows.values()}) == 1 and "Code: " in text and "more than one version" not in text
     # a cell written by other code is flagged in the table, not mixed in silently
     m_path = out / "cells" / rows[("replaceme", "0s")]["cell"].split("/")[-1] / "metrics.json"

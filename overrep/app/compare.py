@@ -386,6 +386,7 @@ def _protocol_figures(m: dict) -> dict:
     gen = m.get("recovered_generation") or {}
     env = m.get("environment") or {}
     return {"machine": env.get("machine"), "precision": m.get("precision"), "code": env.get("code"),
+            "scoring": m.get("eval_precision", "fp32"),  # (a cell from before eval.precision scored in fp32)
             "ppl_low": test.get("low"), "ppl_high": test.get("high"), "test_tokens": test.get("tokens"),
             "dense_ppl_low": (dense.get("test") or {}).get("low"),
             "dense_ppl_high": (dense.get("test") or {}).get("high"),

@@ -99,9 +99,10 @@ def markdown(results: dict) -> str:
     cfg = results["config"]
     lines = ["# overrep compare", ""]
     ok_rows = [r for r in results["rows"] if r.get("status") == "ok"]
-    machines = sorted({(r.get("machine") or "?", r.get("precision") or "?") for r in ok_rows})
+    machines = sorted({(r.get("machine") or "?", r.get("precision") or "?", r.get("scoring") or "fp32")
+                       for r in ok_rows})
     if machines:
-        lines.append("Machine and precision: " + "; ".join(f"{m}, {p}" for m, p in machines)
+        lines.append("Machine and precision: " + "; ".join(f"{m}, {p} training, {s} scoring" for m, p, s in machines)
                      + (" -- **more than one: do not compare these rows by time**" if len(machines) > 1 else "")
                      + ".")
     codes = sorted({r.get("code") or "not recorded" for r in ok_rows})
