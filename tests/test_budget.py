@@ -13,6 +13,33 @@ from overrep.recovery.budget import Deadline, StepCosts, fit_steps, parse_durati
 from tiny import run_killed_at, tiny_cfg
 
 
+@pytest.fixture(autouse=True)
+def few_steps_allowed(monkeypatch):
+    """These tests give the tiny model budgets of a few steps on purpose (cheap); the floor
+    on a budget's step count has its own test below."""
+    import overrep.app.budgeting as budgeting
+
+    monkeypatch.setattr(budgeting, "MIN_BUDGET_STEPS", 1)
+
+
+def test_a_budget_that_leaves_too_few_steps_is_refused_before_training(assets, tmp_path, monkeypatch):
+    """A budget whose measured step count is below the floor stops with a one-line error that
+    says how much time would do, and leaves no run folder behind (1 step measured far worse
+    than no training)."""
+    import overrep.app.budgeting as budgeting
+    from overrep.recovery.trainer import Trainer
+
+    monkeypatch.setattr(budgeting, "MIN_BUDGET_STEPS", 10)
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(5.0, 0.0, 0.0))  # ~3 steps fit in 20 s
+    out = tmp_path / "short"
+    cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                   recovery__time_budget="20s")
+    with pytest.raises(OverRepError, match=r"time_budget 20s leaves overrep [1-3] optimiser step\(s\).*at least 10 "
+                                           r"are needed \(about \d+ s here\).*--method replaceme"):
+        Pipeline(cfg, progress=False).run()
+    assert not (out / "metrics.json").exists() and not (out / "model").exists()
+
+
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("20m", 1200), ("1.5h", 5400), ("300", 300), (45, 45),
                                           ("2min", 120)])
 def test_parse_duration(text, seconds):
@@ -202,16 +229,18 @@ def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path
     assert m["merge_max_rel_diff"] <= 1e-5
 
 
-@pytest.mark.parametrize("method", ["overrep", "lora"])
+@pytest.mark.parametrize("method", ["overrep", "lora", "overrep-warm"])
 def test_a_budget_is_fitted_once_and_no_stage_runs_twice(assets, tmp_path, monkeypatch, method):
     """The fit measures a copy of the pruned model between pruning and the method's set-up:
-    the model is pruned once, the method built once for the measurement and once to train."""
+    the model is pruned once, the method built once for the measurement and once to train,
+    and a warm start's closed form is fitted once (before the probe, which copies it)."""
     no_deadline_stop(monkeypatch)
     import overrep.app.budgeting as budgeting
     import overrep.app.pipeline as pipeline
+    import overrep.recovery.methods.closed_form as closed_form
     from overrep.recovery.trainer import Trainer
 
-    calls = {"prune": 0, "probe": 0, "build": 0, "measure": 0}
+    calls = {"prune": 0, "probe": 0, "build": 0, "measure": 0, "fit": 0}
 
     def counted(name, fn):
         def wrapper(*a, **k):
@@ -223,10 +252,15 @@ def test_a_budget_is_fitted_once_and_no_stage_runs_twice(assets, tmp_path, monke
     monkeypatch.setattr(budgeting, "build_recovery", counted("probe", budgeting.build_recovery))
     monkeypatch.setattr(pipeline, "build_recovery", counted("build", pipeline.build_recovery))
     monkeypatch.setattr(Trainer, "measure", counted("measure", Trainer.measure))
+    monkeypatch.setattr(closed_form, "fit_and_fold", counted("fit", closed_form.fit_and_fold))
+    warm = {"recovery__warm_start": "replaceme"} if method == "overrep-warm" else {}
     cfg = tiny_cfg(assets, tmp_path / method, eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="20s", recovery__method=method)
+                   recovery__time_budget="20s", recovery__method=method.removesuffix("-warm"), **warm)
     m = Pipeline(cfg, progress=False).run()
-    assert calls == {"prune": 1, "probe": 1, "build": 1, "measure": 1}
+    assert calls == {"prune": 1, "probe": 1, "build": 1, "measure": 1, "fit": int(bool(warm))}
+    if warm:  # the exported model's provenance names the fit it started from
+        provenance = json.loads((tmp_path / method / "model" / "overrep.json").read_text())
+        assert provenance["recovery"]["warm_start"]["kind"] == "lstsq"
     assert m["time_budget"]["steps"] == m["train_steps"] >= 1
 
 

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from ..distributed import World
+from ..errors import OverRepError
 from ..model.arch import decoder_layers
 from ..model.flops import blocks_macs
 from ..recovery.budget import StepCosts, fit_steps, parse_duration, spread, validation_plan
@@ -55,15 +56,25 @@ def checkpointed_total(out: Path) -> int | None:
         return None  # the trainer's resume reports the unreadable file
 
 
+#: the fewest steps a time budget may leave a trained method: AdamW's first steps at the full
+#: learning rate (the warm-up is 1% of the run) move every weight by about the learning rate,
+#: which a run of a few steps never takes back; a warm-started OverRep given 1 step ended at
+#: 196x the perplexity of the closed form it started from (docs/closed-forms.md)
+MIN_BUDGET_STEPS = 10
+
+
 def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started: float, world: World,
-               make_trainer: Callable, resumed_total: int | None, measure: bool = True) -> BudgetFit | None:
+               make_trainer: Callable, resumed_total: int | None, measure: bool = True,
+               prepared: dict | None = None) -> BudgetFit | None:
     """``recovery.time_budget`` as a step count (and, for a method on the disk cache, a number
     of training rows), so that the schedules complete inside it, features included.
 
     ``inputs``: what the method will be built from; ``started``: when the budget began
     (:func:`time.perf_counter`); ``make_trainer(objective)``: a trainer for a measurement;
-    ``resumed_total``: a resumed run's step count, which is kept. None where nothing is
-    decided (``measure=False`` and nothing to resume)."""
+    ``resumed_total``: a resumed run's step count, which is kept; ``prepared``: what the
+    closed-form preparation already did to ``inputs.pruned`` (the probe copies it rather than
+    fitting a warm start a second time). None where nothing is decided (``measure=False`` and
+    nothing to resume)."""
     r = inputs.config
     budget = parse_duration(r.time_budget)
     per_step = r.batch_size * r.grad_accum
@@ -76,7 +87,7 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         teacher = dataclasses.replace(inputs.teacher, mode="probe") if sizes_cache else inputs.teacher
         probe = dataclasses.replace(inputs, pruned=copy.deepcopy(inputs.pruned), teacher=teacher)
         t0, cached = time.perf_counter(), teacher.seconds
-        run = build_recovery(probe, method)
+        run = build_recovery(probe, method, prepared=prepared)
         # what building it again costs: not the cache, nor a search it reads back, nor the probe's features
         rebuild = time.perf_counter() - t0 - (teacher.seconds - cached) - (
             run.search_seconds if run.searched_now else 0.0) - (PROBE_ROWS * teacher.row_seconds if sizes_cache else 0.0)
@@ -93,6 +104,13 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         validations = validation_plan(budget, r.validation_share, costs)
         # 3% kept for what is not measured; the trainer re-fits once it has timed real steps
         total = world.broadcast(fit_steps(0.97 * left - validations * costs.validation, costs, 0, r.checkpoint_every))
+        if total < MIN_BUDGET_STEPS:  # e.g. a 1-minute warm start on a 2-core CPU: measured far worse than no training
+            needed = budget - left + (costs.run_seconds(MIN_BUDGET_STEPS, 0, r.checkpoint_every)
+                                      + validations * costs.validation) / 0.97
+            raise OverRepError(f"recovery.time_budget {r.time_budget} leaves {method.name} {total} optimiser step(s) "
+                               f"on this machine after its set-up; at least {MIN_BUDGET_STEPS} are needed (about "
+                               f"{needed:.0f} s here), or use a closed form such as --method replaceme, which trains "
+                               "nothing")
         eval_every = info["eval_every"] = spread(total, validations)
         log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps on "
                  "%d rows", budget, costs.step, costs.row, left, total, costs.rows(total) if sizes_cache

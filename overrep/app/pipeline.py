@@ -41,7 +41,7 @@ from ..model.wrap import count_parameters, plan_recovery
 from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION, Selection
 from ..recovery.budget import Deadline, parse_duration
-from ..recovery.methods import build_recovery, get_method
+from ..recovery.methods import build_recovery, get_method, prepare_closed_form
 from ..recovery.teacher import MethodInputs, Teacher
 from ..recovery.sharding import gather, shard_objective
 from ..recovery.trainer import Trainer
@@ -277,11 +277,13 @@ class Pipeline:
         assert self.recovery is None, "the recovery is built once"
         self.recovery_started = t0 = time.perf_counter()  # a time budget counts from here
         r = self.cfg.recovery
+        # recovery.compensate / warm_start, in place and once: inside the budget, before its probe
+        prepared = prepare_closed_form(self.method_inputs(), self.method)
         if r.time_budget is not None and r.steps is None and self.method.trains:  # (a closed form: no steps)
             self.budget = fit_budget(self.method, self.method_inputs(), cache_mode=self.cfg.cache.mode, started=t0,
                                      world=self.world, resumed_total=checkpointed_total(self.out) if self.resume
                                      else None, make_trainer=lambda objective: self.make_trainer(objective, False),
-                                     measure=with_data)
+                                     measure=with_data, prepared=prepared)
         if self.budget is not None:
             self.total_steps = self.budget.steps
             if self.budget.rows is not None:
@@ -289,7 +291,7 @@ class Pipeline:
                 self.teacher.use_rows(self.budget.rows)
             self.metrics["time_budget"] = self.budget.info
             torch.manual_seed(r.seed)  # the measured steps leave no trace: a fresh recovery
-        self.recovery = build_recovery(self.method_inputs(), self.method, with_data=with_data)
+        self.recovery = build_recovery(self.method_inputs(), self.method, with_data=with_data, prepared=prepared)
         self.note_cache()
         if self.recovery.search_seconds:
             self.timings["search"] = self.recovery.search_seconds

@@ -103,15 +103,19 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = True) -> MethodRun:
+def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = True,
+                   prepared: dict | None = None) -> MethodRun:
     """``method`` set up on ``inputs`` (``with_data=False``: without the preparation that needs
     training data and is not cached, e.g. a layer-wise method's feature cache, for ``overrep
-    plan`` and re-exporting from checkpoints)."""
-    prepared = prepare_closed_form(inputs, method)  # recovery.compensate, recovery.warm_start (in place)
+    plan`` and re-exporting from checkpoints). ``prepared``: what :func:`prepare_closed_form`
+    already did to ``inputs.pruned`` (a time budget fits a warm start once, before its probe);
+    None: do it here."""
+    if prepared is None:
+        prepared = prepare_closed_form(inputs, method)  # recovery.compensate, recovery.warm_start (in place)
     run = method.run(inputs, method, with_data=with_data)
     run.prepared = prepared
     return run
 
 
-__all__ = ["METHODS", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery",
+__all__ = ["METHODS", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery", "prepare_closed_form",
            "iso_rank", "lora_params_per_rank", "projection_names"]
