@@ -20,6 +20,7 @@ def few_steps_allowed(monkeypatch):
     import overrep.app.budgeting as budgeting
 
     monkeypatch.setattr(budgeting, "MIN_BUDGET_STEPS", 1)
+    monkeypatch.setattr(budgeting, "MIN_WARM_BUDGET_STEPS", 1)
 
 
 def test_a_budget_that_leaves_too_few_steps_is_refused_before_training(assets, tmp_path, monkeypatch):
@@ -38,6 +39,14 @@ def test_a_budget_that_leaves_too_few_steps_is_refused_before_training(assets, t
                                            r"are needed \(about \d+ s here\).*--method replaceme"):
         Pipeline(cfg, progress=False).run()
     assert not (out / "metrics.json").exists() and not (out / "model").exists()
+    # a warm start has a good model to lose: its floor is its own
+    monkeypatch.setattr(budgeting, "MIN_BUDGET_STEPS", 1)
+    monkeypatch.setattr(budgeting, "MIN_WARM_BUDGET_STEPS", 10)
+    warm = tiny_cfg(assets, tmp_path / "warm", eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                    recovery__time_budget="20s", recovery__warm_start="replaceme")
+    with pytest.raises(OverRepError, match=r"at least 10 are needed from a warm start"):
+        Pipeline(warm, progress=False).run()
+    assert not (tmp_path / "warm" / "metrics.json").exists()
 
 
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("20m", 1200), ("1.5h", 5400), ("300", 300), (45, 45),

@@ -56,11 +56,15 @@ def checkpointed_total(out: Path) -> int | None:
         return None  # the trainer's resume reports the unreadable file
 
 
-#: the fewest steps a time budget may leave a trained method: AdamW's first steps at the full
-#: learning rate (the warm-up is 1% of the run) move every weight by about the learning rate,
-#: which a run of a few steps never takes back; a warm-started OverRep given 1 step ended at
-#: 196x the perplexity of the closed form it started from (docs/closed-forms.md)
+#: the fewest steps a time budget may leave a trained method: the first steps of a short run
+#: have no warm-up (it is 1% of the run) -- AdamW moves every weight by about the learning rate
+#: and OverRep's activation turns non-linear within one step -- and a run of a few steps never
+#: takes that back (docs/closed-forms.md)
 MIN_BUDGET_STEPS = 10
+#: the same from a warm start, which has a good model to lose: OverRep from ReplaceMe's fit
+#: (test perplexity 193) measured 37,862 / 247,763 / 4,531 / 826 / 257 after 1 / 7 / 10 / 20 / 40
+#: steps, and 164 after 61 (docs/closed-forms.md)
+MIN_WARM_BUDGET_STEPS = 50
 
 
 def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started: float, world: World,
@@ -104,11 +108,13 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         validations = validation_plan(budget, r.validation_share, costs)
         # 3% kept for what is not measured; the trainer re-fits once it has timed real steps
         total = world.broadcast(fit_steps(0.97 * left - validations * costs.validation, costs, 0, r.checkpoint_every))
-        if total < MIN_BUDGET_STEPS:  # e.g. a 1-minute warm start on a 2-core CPU: measured far worse than no training
-            needed = budget - left + (costs.run_seconds(MIN_BUDGET_STEPS, 0, r.checkpoint_every)
+        floor = MIN_WARM_BUDGET_STEPS if (prepared or {}).get("warm_start") else MIN_BUDGET_STEPS
+        if total < floor:  # e.g. a 1-minute warm start on a 2-core CPU: measured far worse than no training
+            needed = budget - left + (costs.run_seconds(floor, 0, r.checkpoint_every)
                                       + validations * costs.validation) / 0.97
             raise OverRepError(f"recovery.time_budget {r.time_budget} leaves {method.name} {total} optimiser step(s) "
-                               f"on this machine after its set-up; at least {MIN_BUDGET_STEPS} are needed (about "
+                               f"on this machine after its set-up; at least {floor} are needed"
+                               f"{' from a warm start' if floor == MIN_WARM_BUDGET_STEPS else ''} (about "
                                f"{needed:.0f} s here), or use a closed form such as --method replaceme, which trains "
                                "nothing")
         eval_every = info["eval_every"] = spread(total, validations)
