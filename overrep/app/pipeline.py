@@ -244,11 +244,10 @@ class Pipeline:
         mask, root = tag != "dense" and self.plan.to_dict(), None if tag == "recovered" else self.cache_root
         if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
             data = self.eval_data.baseline() if tag == "pruned" and ev.unrecovered == "test" else self.eval_data
-            precision = resolve_precision(ev.precision, self.device)
+            self.metrics["eval_precision"] = precision = resolve_precision(ev.precision, self.device)
             found, scores = model_figures(model, self.tokenizer, data, tag=tag, progress=self.progress,
                                           source=self.model_info["source"], mask=mask, root=root,
                                           dense=self.dense_scores, precision=precision)  # raises on a non-finite perplexity
-            self.metrics["eval_precision"] = precision
             self.metrics.update(found)
             self.dense_scores = scores if tag == "dense" else self.dense_scores
         if ev.latency and not onload.is_onloaded(model):  # generating would read every block per token
@@ -277,8 +276,7 @@ class Pipeline:
         assert self.recovery is None, "the recovery is built once"
         self.recovery_started = t0 = time.perf_counter()  # a time budget counts from here
         r = self.cfg.recovery
-        # recovery.compensate / warm_start, in place and once: inside the budget, before its probe
-        prepared = prepare_closed_form(self.method_inputs(), self.method)
+        prepared = prepare_closed_form(self.method_inputs(), self.method)  # once, in the budget, before its probe
         if r.time_budget is not None and r.steps is None and self.method.trains:  # (a closed form: no steps)
             self.budget = fit_budget(self.method, self.method_inputs(), cache_mode=self.cfg.cache.mode, started=t0,
                                      world=self.world, resumed_total=checkpointed_total(self.out) if self.resume
