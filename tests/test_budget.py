@@ -36,7 +36,7 @@ def test_a_budget_that_leaves_too_few_steps_is_refused_before_training(assets, t
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
                    recovery__time_budget="20s")
     with pytest.raises(OverRepError, match=r"time_budget 20s leaves overrep [1-3] optimiser step\(s\).*at least 10 "
-                                           r"are needed \(about \d+ s here\).*--method replaceme"):
+                                           r"are needed \(about \d+ s here; recovery.budget_min_steps sets the floor\).*--method replaceme"):
         Pipeline(cfg, progress=False).run()
     assert not (out / "metrics.json").exists() and not (out / "model").exists()
     # a warm start has a good model to lose: its floor is its own
@@ -47,6 +47,10 @@ def test_a_budget_that_leaves_too_few_steps_is_refused_before_training(assets, t
     with pytest.raises(OverRepError, match=r"at least 10 are needed from a warm start"):
         Pipeline(warm, progress=False).run()
     assert not (tmp_path / "warm" / "metrics.json").exists()
+    # recovery.budget_min_steps overrides both floors
+    ok = tiny_cfg(assets, tmp_path / "ok", eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                  recovery__time_budget="20s", recovery__warm_start="replaceme", recovery__budget_min_steps=1)
+    assert Pipeline(ok, progress=False).run()["train_steps"] >= 1
 
 
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("20m", 1200), ("1.5h", 5400), ("300", 300), (45, 45),

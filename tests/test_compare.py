@@ -16,7 +16,9 @@ from overrep.errors import OverRepError
 def grid_file(assets, tmp_path, **over) -> str:
     spec = {
         "base": {"model": {"source": str(assets / "tiny-llama")},
-                 "recovery": {"epochs": 1, "batch_size": 4, "lora_rank": 4, "checkpoint_every": 100},
+                 # budget_min_steps: the tiny grids' budgets of seconds may leave a warm start few steps
+                 "recovery": {"epochs": 1, "batch_size": 4, "lora_rank": 4, "checkpoint_every": 100,
+                              "budget_min_steps": 1},
                  "data": {"source": str(assets / "corpus.jsonl"), "seq_len": 32, "train_sequences": 16,
                           "heldout_sequences": 4}},
         "methods": ["overrep", "lora"],

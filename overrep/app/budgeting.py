@@ -108,15 +108,15 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         validations = validation_plan(budget, r.validation_share, costs)
         # 3% kept for what is not measured; the trainer re-fits once it has timed real steps
         total = world.broadcast(fit_steps(0.97 * left - validations * costs.validation, costs, 0, r.checkpoint_every))
-        floor = MIN_WARM_BUDGET_STEPS if (prepared or {}).get("warm_start") else MIN_BUDGET_STEPS
+        floor = r.budget_min_steps or (MIN_WARM_BUDGET_STEPS if (prepared or {}).get("warm_start") else MIN_BUDGET_STEPS)
         if total < floor:  # e.g. a 1-minute warm start on a 2-core CPU: measured far worse than no training
             needed = budget - left + (costs.run_seconds(floor, 0, r.checkpoint_every)
                                       + validations * costs.validation) / 0.97
             raise OverRepError(f"recovery.time_budget {r.time_budget} leaves {method.name} {total} optimiser step(s) "
                                f"on this machine after its set-up; at least {floor} are needed"
-                               f"{' from a warm start' if floor == MIN_WARM_BUDGET_STEPS else ''} (about "
-                               f"{needed:.0f} s here), or use a closed form such as --method replaceme, which trains "
-                               "nothing")
+                               f"{' from a warm start' if (prepared or {}).get('warm_start') else ''} (about "
+                               f"{needed:.0f} s here; recovery.budget_min_steps sets the floor), or use a closed form such "
+                               "as --method replaceme, which trains nothing")
         eval_every = info["eval_every"] = spread(total, validations)
         log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps on "
                  "%d rows", budget, costs.step, costs.row, left, total, costs.rows(total) if sizes_cache

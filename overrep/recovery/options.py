@@ -44,6 +44,7 @@ class TrainingOptions:
     seed: int = 0  # initialisation / batch-order seed
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
     eval_every: int = 50  # steps between validation measurements (val_loss; val_ppl on data.validation_sequences rows); a time-budgeted run sets its own (validation_share)
+    budget_min_steps: int | None = None  # time budget: the fewest optimiser steps it may leave, else the run stops with an error before training (None: 10, and 50 from a warm start: fewer measured worse than no training, docs/closed-forms.md)
     validation_share: float = 0.05  # time-budgeted runs: the most of the budget the validations during training (keep_best, val_ppl in the log) may take, spread evenly, the last at the end; none where one does not fit (the report scores the validation rows anyway)
     keep_best: bool = True  # end at the checkpoint of lowest val_ppl (among those that fold exactly: alpha = 0) when it beats the last step; needs validation rows
     threads: int | None = None  # torch CPU threads (None = torch's default)
@@ -62,6 +63,8 @@ class TrainingOptions:
             raise OverRepError(f"recovery.validation_share must be in [0, 1), got {self.validation_share}")
         if self.steps is None and self.epochs <= 0:
             raise OverRepError(f"recovery.epochs must be > 0, got {self.epochs}")
+        if self.budget_min_steps is not None and self.budget_min_steps < 1:
+            raise OverRepError(f"recovery.budget_min_steps must be >= 1, got {self.budget_min_steps}")
         for name in ("batch_size", "grad_accum", "checkpoint_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise OverRepError(f"recovery.{name} must be >= 1, got {getattr(self, name)}")
