@@ -108,13 +108,14 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         validations = validation_plan(budget, r.validation_share, costs)
         # 3% kept for what is not measured; the trainer re-fits once it has timed real steps
         total = world.broadcast(fit_steps(0.97 * left - validations * costs.validation, costs, 0, r.checkpoint_every))
-        floor = r.budget_min_steps or (MIN_WARM_BUDGET_STEPS if (prepared or {}).get("warm_start") else MIN_BUDGET_STEPS)
+        warm = bool((prepared or {}).get("warm_start"))
+        floor = r.budget_min_steps or (MIN_WARM_BUDGET_STEPS if warm else MIN_BUDGET_STEPS)
         if total < floor:  # e.g. a 1-minute warm start on a 2-core CPU: measured far worse than no training
             needed = budget - left + (costs.run_seconds(floor, 0, r.checkpoint_every)
                                       + validations * costs.validation) / 0.97
             raise OverRepError(f"recovery.time_budget {r.time_budget} leaves {method.name} {total} optimiser step(s) "
                                f"on this machine after its set-up; at least {floor} are needed"
-                               f"{' from a warm start' if (prepared or {}).get('warm_start') else ''} (about "
+                               f"{' from a warm start' if warm else ''} (about "
                                f"{needed:.0f} s here; recovery.budget_min_steps sets the floor), or use a closed form such "
                                "as --method replaceme, which trains nothing")
         eval_every = info["eval_every"] = spread(total, validations)
