@@ -15,7 +15,7 @@ from overrep.model.arch import decoder_layers
 from overrep.model.surgery import plan_pruning, prune
 from overrep.recovery.closed_form import (FitOptions, NormalEquations, _block_output, down_projection, fit_and_fold,
                                           fold_map, token_weights)
-from overrep.recovery.compensation import fold_scale, hadamard, linear_patch, prunecomp
+from overrep.recovery.compensation import fold_scale, hadamard, linear_patch, prunecomp, tune_patches
 from overrep.recovery.methods import build_recovery, get_method
 
 from tiny import tiny_cfg, tiny_config, tiny_ids, tiny_model
@@ -118,6 +118,23 @@ def test_prunecomp_matches_the_gap_magnitude_and_linear_patch_hooks_come_off():
         assert not torch.allclose(patched, ref) and torch.equal(pruned(ids).logits, ref)
 
 
+def test_linear_patch_distillation_trains_only_the_patch_and_lowers_the_kl():
+    dense = tiny_model("llama")
+    plan = plan_pruning(6, [2, 3], blocks=1)
+    ids = tiny_ids(16, 16)
+    pruned = prune(copy.deepcopy(dense), plan)
+    weights = {k: v.clone() for k, v in pruned.state_dict().items()}
+    hooks = linear_patch(pruned, dense, plan, ids[:4], trainable=True)
+    start = hooks[0].matrix.detach().clone()
+    info = tune_patches(pruned, hooks, dense, torch.cat([ids] * 4), k=8, lr=1e-2, batch=4)
+    assert info["steps"] == 16 and info["last_loss"] < info["first_loss"]
+    assert not torch.equal(hooks[0].matrix.detach(), start)
+    assert all(torch.equal(v, weights[k]) for k, v in pruned.state_dict().items())  # the model itself unchanged
+    assert all(p.requires_grad for p in pruned.parameters())  # and left as it was found
+    with pytest.raises(OverRepError, match="trainable patches"):
+        tune_patches(pruned, linear_patch(pruned, dense, plan, ids[:4]), dense, ids, k=8)
+
+
 @pytest.mark.parametrize("n", [12, 72, 576, 896])
 def test_hadamard_is_orthonormal_with_equal_magnitudes(n):
     h = hadamard(n)
@@ -172,6 +189,15 @@ def test_warm_start_starts_from_the_fitted_weights(assets, tmp_path, method):
     assert torch.allclose(got, want, atol=1e-6)
     assert run.prepared["warm_start"]["runs"][0]["block"] == 2
     assert run.describe()["warm_start"]["kind"] == "lstsq"
+    assert p.rcfg.warmup_steps == 20  # a warm start warms its learning rate up over 20 steps by default
+
+
+@pytest.mark.parametrize("over, steps", [({}, 0), (dict(recovery__warmup_steps=5), 5),
+                                         (dict(recovery__warm_start="replaceme", recovery__warmup_steps=0), 0)])
+def test_warm_up_steps_default_to_none_for_a_cold_start_and_can_be_set(assets, tmp_path, over, steps):
+    p = Pipeline(tiny_cfg(assets, tmp_path / "w", **FAST, **over), progress=False)
+    p.load(create_output=False)
+    assert p.rcfg.warmup_steps == steps
 
 
 @pytest.mark.parametrize("over, words", [
@@ -179,6 +205,7 @@ def test_warm_start_starts_from_the_fitted_weights(assets, tmp_path, method):
     (dict(recovery__compensate="prunecomp"), "unscaled"),
     (dict(recovery__closed_tokens="sinks+first"), "closed_tokens"),
     (dict(recovery__compensate="yes"), "compensate"),
+    (dict(recovery__warm_start="replaceme", recovery__warmup_steps=-1), "warmup_steps"),
 ])
 def test_bad_closed_form_settings_are_one_clear_error(assets, tmp_path, over, words):
     with pytest.raises(OverRepError, match=words):

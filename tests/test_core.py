@@ -313,6 +313,18 @@ def test_alpha_schedule_breakpoints():
     assert s.alpha(799) > 0 and s.alpha(800) == 0.0 and s.alpha(1000) == 0.0
 
 
+def test_learning_rate_warm_up_lasts_its_steps_however_short_the_run():
+    from overrep.recovery.trainer import lr_factor
+
+    assert lr_factor(0, 1000, 0.01, 0.1) == pytest.approx(0.1)  # 10 steps: 1% of 1000
+    assert lr_factor(9, 1000, 0.01, 0.1) == pytest.approx(1.0)
+    assert lr_factor(0, 80, 0.01, 0.1) == 1.0  # 1% of 80 rounds to one step: full rate at once
+    assert [lr_factor(s, 80, 0.01, 0.1, warmup_steps=20) for s in (0, 9, 19)] == pytest.approx([0.05, 0.5, 1.0])
+    assert lr_factor(79, 80, 0.01, 0.1, warmup_steps=20) == pytest.approx(0.1, abs=1e-3)  # the cosine still ends
+    assert lr_factor(6, 7, 0.01, 0.1, warmup_steps=20) == pytest.approx(0.35)  # never reaches the peak
+    assert lr_factor(50, 1000, 0.1, 0.1, warmup_steps=20) == pytest.approx(0.51)  # the longer of the two
+
+
 def test_activation_state_roundtrips_through_state_dict():
     act = AnnealedActivation(torch.nn.functional.silu, AlphaSchedule(100))
     act.set_step(37)

@@ -84,8 +84,7 @@ class Pipeline:
 
     # ---- stage 0: output folder ----------------------------------------------------
     def prepare_output(self) -> None:
-        """Check what the output folder allows (``--resume``, ``--overwrite``); writes nothing.
-        The folder is rank 0's: the other ranks never write into it."""
+        """Check what the output folder allows (``--resume``, ``--overwrite``); writes nothing (rank 0's folder)."""
         if not self.world.is_main:
             return
         folder = RunFolder(self.out, resume=self.resume, overwrite=self.overwrite, reuse=self.reuse)
@@ -163,7 +162,8 @@ class Pipeline:
             self.plan = plan_recovery(self.dense, self.selection.removed, get_preset(r.preset_name),
                                       blocks=r.blocks_per_run, block1_init=r.block1_init,
                                       final_block=r.final_block, keep=self.selection.replaced)
-        self.rcfg = dataclasses.replace(r, lr=r.lr if r.lr is not None else self.method.default_lr,
+        lr = r.lr if r.lr is not None else self.method.default_lr
+        self.rcfg = dataclasses.replace(r, lr=lr, warmup_steps=r.resolved_warmup_steps,
                                         precision=resolve_precision(r.precision, self.device))
         self.total_steps = cfg.total_steps()
         self.teacher = self.make_teacher()

@@ -17,21 +17,29 @@ tokens ``tokens`` selects (see :func:`~overrep.recovery.closed_form.token_weight
 gap with ``P = H diag(d) H^T``, H a normalised Hadamard matrix and
 ``d_k = mean|X_after H|_k / mean|X_before H|_k``. P is a d x d operation the stock
 architecture has no place for: :func:`linear_patch` applies it as a hook, for evaluation
-only; a model carrying it cannot be exported as a plain checkpoint.
+only; a model carrying it cannot be exported as a plain checkpoint. :func:`tune_patches` is
+the reference's offline distillation of the patch (``efficient_distill.py``); both are scored by
+``scripts/linear_patch.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
+from ..core.precision import autocast
 from ..errors import OverRepError
 from ..model.arch import block_parts, decoder_layers, final_norm
+from ..model.placement import input_device
 from ..model.surgery import PrunePlan, contiguous_runs
 from .closed_form import _block_output, token_weights
+from .losses import teacher_topk, topk_kl
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +168,13 @@ def hadamard(n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def linear_patch(pruned: nn.Module, dense: nn.Module, plan: PrunePlan, ids: torch.Tensor, *, tokens: str = "all",
-                 batch: int = 8) -> list:
-    """LinearPatch at every gap as forward pre-hooks on ``pruned`` (returns the handles;
-    ``handle.remove()`` undoes it). Not foldable: evaluation only."""
+                 batch: int = 8, trainable: bool = False) -> list:
+    """LinearPatch at every gap as forward pre-hooks on ``pruned``. Returns one
+    :class:`PatchHook` per gap (``.matrix`` the ``[d, d]`` patch, an ``nn.Parameter`` when
+    ``trainable``; ``.remove()`` undoes it). Not foldable: evaluation only."""
     was = pruned.training
     pruned.eval()
-    handles = []
+    hooks = []
     layers = decoder_layers(pruned)
     for run in contiguous_runs(plan.removed):
         num = den = None
@@ -179,11 +188,65 @@ def linear_patch(pruned: nn.Module, dense: nn.Module, plan: PrunePlan, ids: torc
         patch = rot @ torch.diag(num / den.clamp_min(1e-12)) @ rot.T
         target = final_norm(pruned) if run[1] == plan.num_layers - 1 else (
             layers[0] if run[0] == 0 else layers[plan.compact_index(run[0] - 1) + 1])
-
-        def hook(module, args, kwargs, p=patch):
-            if args:
-                return (args[0] @ p.to(args[0].dtype), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": kwargs["hidden_states"] @ p.to(kwargs["hidden_states"].dtype)}
-        handles.append(target.register_forward_pre_hook(hook, with_kwargs=True))
+        hooks.append(PatchHook(target, nn.Parameter(patch) if trainable else patch))
     pruned.train(was)
-    return handles
+    return hooks
+
+
+class PatchHook:
+    """``h <- h @ matrix`` on the input of ``target`` (a forward pre-hook)."""
+
+    def __init__(self, target: nn.Module, matrix: torch.Tensor):
+        self.matrix = matrix
+        self.handle = target.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        if args:
+            return (args[0] @ self.matrix.to(args[0].dtype), *args[1:]), kwargs
+        h = kwargs["hidden_states"]
+        return args, {**kwargs, "hidden_states": h @ self.matrix.to(h.dtype)}
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def tune_patches(model: nn.Module, hooks: list[PatchHook], dense: nn.Module, ids: torch.Tensor, *, k: int = 50,
+                 lr: float = 1e-4, min_lr_ratio: float = 0.1, batch: int = 8, precision: str = "fp32",
+                 progress: bool = False) -> dict:
+    """LinearPatch's offline distillation (the reference's ``output_kl``): only the patch
+    matrices train, one pass over ``ids`` with AdamW (lr 1e-4, cosine to ``lr *
+    min_lr_ratio``) on KL(teacher || student) renormalised on the dense model's top-``k``
+    next tokens. The dense top-k is computed per batch (no cache). Returns the loss of the
+    first and last batches and the seconds."""
+    params = [h.matrix for h in hooks]
+    if not all(isinstance(p, nn.Parameter) for p in params):
+        raise OverRepError("tune_patches needs trainable patches: linear_patch(..., trainable=True)")
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    steps = -(-ids.shape[0] // batch)
+    device, losses, t0, was = input_device(model), [], time.perf_counter(), model.training
+    model.eval()  # (no dropout: the patch learns the model as it will be scored)
+    try:
+        for step in tqdm(range(steps), desc="LinearPatch KD", disable=not progress):
+            rows = ids[step * batch:(step + 1) * batch].to(device)
+            with torch.no_grad(), autocast(precision, device):
+                values, indices = teacher_topk(dense, rows, k, batch=batch)
+            for g in opt.param_groups:
+                g["lr"] = lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * step / steps)))
+            with autocast(precision, device):
+                logits = model(input_ids=rows, use_cache=False).logits.float()
+            loss = topk_kl(logits, values.to(device), indices.to(device))
+            if not torch.isfinite(loss):
+                raise OverRepError(f"LinearPatch distillation: non-finite loss at step {step}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        model.train(was)
+    return {"steps": steps, "first_loss": losses[0], "last_loss": losses[-1], "lr": lr, "k": k,
+            "seconds": time.perf_counter() - t0}

@@ -36,6 +36,7 @@ class TrainingOptions:
     lr: float | None = None  # peak learning rate (AdamW); None = the method's default (`overrep methods` lists them)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_ratio: float = 0.01  # linear learning-rate warm-up, fraction of steps
+    warmup_steps: int | None = None  # ... and at least this many steps, however short the run; None: 20 from a warm start (without it the first full-rate steps undo the fit: docs/closed-forms.md), else 0
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
     weight_decay: float = 0.01  # applied to pretrained matrices only, never to W, D or norms
     grad_clip: float = 1.0  # max global gradient norm (0 disables)
@@ -63,6 +64,8 @@ class TrainingOptions:
             raise OverRepError(f"recovery.validation_share must be in [0, 1), got {self.validation_share}")
         if self.steps is None and self.epochs <= 0:
             raise OverRepError(f"recovery.epochs must be > 0, got {self.epochs}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise OverRepError(f"recovery.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.budget_min_steps is not None and self.budget_min_steps < 1:
             raise OverRepError(f"recovery.budget_min_steps must be >= 1, got {self.budget_min_steps}")
         for name in ("batch_size", "grad_accum", "checkpoint_every", "eval_every"):

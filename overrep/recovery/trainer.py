@@ -63,8 +63,10 @@ def make_optimizer(objective: Objective, cfg: TrainingOptions) -> torch.optim.Ad
                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
 
 
-def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
-    warm = max(1, int(round(warmup_ratio * total)))
+def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float, warmup_steps: int = 0) -> float:
+    """The learning rate's factor at ``step``: a linear warm-up over ``max(warmup_ratio * total,
+    warmup_steps)`` steps (at least one), then a cosine to ``min_ratio`` at ``total``."""
+    warm = max(1, int(round(warmup_ratio * total)), warmup_steps)
     if step < warm:
         return (step + 1) / warm
     t = (step - warm) / max(1, total - warm)
@@ -238,7 +240,7 @@ class Trainer:
         for a in obj.activations:
             a.set_step(self.step)
         for g in self.opt.param_groups:
-            g["lr"] = cfg.lr * lr_factor(self.step, self.total, cfg.warmup_ratio, cfg.min_lr_ratio)
+            g["lr"] = cfg.lr * lr_factor(self.step, self.total, cfg.warmup_ratio, cfg.min_lr_ratio, cfg.warmup_steps or 0)
         idx = self.batch_indices(self.step)
         self.opt.zero_grad(set_to_none=True)
         total = 0.0

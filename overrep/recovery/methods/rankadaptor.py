@@ -96,7 +96,7 @@ GAP = 1  # training rows left out between the probes' rows and their validation 
 VERSION = 2  # of the search: a change makes older cached results stale
 #: the recovery settings a probe reads: they key the cached search
 PROBE_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lr", "batch_size", "grad_accum", "min_lr_ratio",
-                "warmup_ratio", "betas", "grad_clip", "seed", "rankadaptor_probes", "rankadaptor_probe_steps",
+                "warmup_ratio", "warmup_steps", "betas", "grad_clip", "seed", "rankadaptor_probes", "rankadaptor_probe_steps",
                 "rankadaptor_candidates", "rankadaptor_val_sequences", "time_budget", "rankadaptor_budget_share",
                 "precision")
 
