@@ -194,7 +194,7 @@ def test_warm_start_starts_from_the_fitted_weights(assets, tmp_path, method):
 
 @pytest.mark.parametrize("over, steps", [({}, 0), (dict(recovery__warmup_steps=5), 5),
                                          (dict(recovery__warm_start="replaceme", recovery__warmup_steps=0), 0)])
-def test_warm_up_steps_default_to_none_for_a_cold_start_and_can_be_set(assets, tmp_path, over, steps):
+def test_warm_up_steps_default_to_zero_for_a_cold_start_and_can_be_set(assets, tmp_path, over, steps):
     p = Pipeline(tiny_cfg(assets, tmp_path / "w", **FAST, **over), progress=False)
     p.load(create_output=False)
     assert p.rcfg.warmup_steps == steps

@@ -56,14 +56,15 @@ def checkpointed_total(out: Path) -> int | None:
         return None  # the trainer's resume reports the unreadable file
 
 
-#: the fewest steps a time budget may leave a trained method: the first steps of a short run
-#: have no warm-up (it is 1% of the run) -- AdamW moves every weight by about the learning rate
-#: and OverRep's activation turns non-linear within one step -- and a run of a few steps never
-#: takes that back (docs/closed-forms.md)
+#: the fewest steps a time budget may leave a trained method: a cold start's warm-up is 1% of
+#: the run, so AdamW's first steps move every weight by about the learning rate, which a run of
+#: a few steps never takes back (docs/closed-forms.md)
 MIN_BUDGET_STEPS = 10
 #: the same from a warm start, which has a good model to lose: OverRep from ReplaceMe's fit
 #: (test perplexity 193) measured 37,862 / 247,763 / 4,531 / 826 / 257 after 1 / 7 / 10 / 20 / 40
-#: steps, and 164 after 61 (docs/closed-forms.md)
+#: steps with a one-step warm-up. A warm start now warms up over 20 steps (recovery.warmup_steps),
+#: which kept its head start from the first step at 80 steps and 2.5 minutes; runs this short
+#: were not measured again with it, so the floor stays (docs/closed-forms.md)
 MIN_WARM_BUDGET_STEPS = 50
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 
 import torch
@@ -40,6 +39,7 @@ from ..model.placement import input_device
 from ..model.surgery import PrunePlan, contiguous_runs
 from .closed_form import _block_output, token_weights
 from .losses import teacher_topk, topk_kl
+from .trainer import lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def tune_patches(model: nn.Module, hooks: list[PatchHook], dense: nn.Module, ids
             with torch.no_grad(), autocast(precision, device):
                 values, indices = teacher_topk(dense, rows, k, batch=batch)
             for g in opt.param_groups:
-                g["lr"] = lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * step / steps)))
+                g["lr"] = lr * lr_factor(step, steps, 0.0, min_lr_ratio)  # the trainer's schedule, no warm-up
             with autocast(precision, device):
                 logits = model(input_ids=rows, use_cache=False).logits.float()
             loss = topk_kl(logits, values.to(device), indices.to(device))
