@@ -138,7 +138,8 @@ def make_pipeline(args, case: str, preset: str | None = None, method: str = "ove
         "prune": {"remove": args.remove} if args.remove else {},
         "recovery": {"method": method, "preset": preset or PRESETS[case], "batch_size": args.batch,
                      "threads": args.threads, "precision": args.precision,
-                     "time_budget": None},  # no budget probe: the bench times its own steps
+                     "time_budget": None,  # no budget probe: the bench times its own steps
+                     "warm_start": "none"},  # the preset as named (auto would train hybrid as hybrid-linear)
         "data": {"source": args.data, "seq_len": args.seq_len, "heldout_sequences": 1,
                  "train_sequences": args.batch * (args.warmup + args.steps)},
         "cache": {"dir": str(work / "cache"), "mode": "live" if case == "overrep_live" else "disk"},

@@ -34,7 +34,7 @@ def test_a_budget_that_leaves_too_few_steps_is_refused_before_training(assets, t
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(5.0, 0.0, 0.0))  # ~3 steps fit in 20 s
     out = tmp_path / "short"
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="20s")
+                   recovery__time_budget="20s", recovery__warm_start="none")
     with pytest.raises(OverRepError, match=r"time_budget 20s leaves overrep [1-3] optimiser step\(s\).*at least 10 "
                                            r"are needed \(about \d+ s here; recovery.budget_min_steps sets the floor\).*--method replaceme"):
         Pipeline(cfg, progress=False).run()
@@ -102,7 +102,7 @@ def test_budgeted_run_fixes_its_steps_and_completes_its_schedules(assets, tmp_pa
     no_deadline_stop(monkeypatch)
     out = tmp_path / "budget"
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="20s")
+                   recovery__time_budget="20s", recovery__warm_start="none")  # cold: the annealed preset
     m = Pipeline(cfg, progress=False).run()
     tb = m["time_budget"]
     assert tb["seconds"] == 20 and tb["steps"] == m["train_steps"] >= 1
@@ -229,7 +229,7 @@ def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.5, 0.0, 0.0, anneal=0.5))
     out = tmp_path / "refit"
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="8s")
+                   recovery__time_budget="8s", recovery__warm_start="none")  # cold: the annealed preset
     m = Pipeline(cfg, progress=False).run()
     tb = m["time_budget"]
     refit = tb["refit"]
@@ -266,11 +266,12 @@ def test_a_budget_is_fitted_once_and_no_stage_runs_twice(assets, tmp_path, monke
     monkeypatch.setattr(pipeline, "build_recovery", counted("build", pipeline.build_recovery))
     monkeypatch.setattr(Trainer, "measure", counted("measure", Trainer.measure))
     monkeypatch.setattr(closed_form, "fit_and_fold", counted("fit", closed_form.fit_and_fold))
-    warm = {"recovery__warm_start": "replaceme"} if method == "overrep-warm" else {}
+    warm = method == "overrep-warm"  # the default (auto) warm-starts OverRep on this model; "overrep": cold
+    start = {} if warm else {"recovery__warm_start": "none"}
     cfg = tiny_cfg(assets, tmp_path / method, eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="20s", recovery__method=method.removesuffix("-warm"), **warm)
+                   recovery__time_budget="20s", recovery__method=method.removesuffix("-warm"), **start)
     m = Pipeline(cfg, progress=False).run()
-    assert calls == {"prune": 1, "probe": 1, "build": 1, "measure": 1, "fit": int(bool(warm))}
+    assert calls == {"prune": 1, "probe": 1, "build": 1, "measure": 1, "fit": int(warm)}
     if warm:  # the exported model's provenance names the fit it started from
         provenance = json.loads((tmp_path / method / "model" / "overrep.json").read_text())
         assert provenance["recovery"]["warm_start"]["kind"] == "lstsq"

@@ -14,7 +14,7 @@ from overrep.errors import OverRepError
 from overrep.model.arch import decoder_layers
 from overrep.model.surgery import plan_pruning, prune
 from overrep.recovery.closed_form import (FitOptions, NormalEquations, _block_output, down_projection, fit_and_fold,
-                                          fold_map, token_weights)
+                                          fold_blocker, fold_map, token_weights)
 from overrep.recovery.compensation import fold_scale, hadamard, linear_patch, prunecomp, tune_patches
 from overrep.recovery.methods import build_recovery, get_method
 
@@ -192,7 +192,8 @@ def test_warm_start_starts_from_the_fitted_weights(assets, tmp_path, method):
     assert p.rcfg.warmup_steps == 20  # a warm start warms its learning rate up over 20 steps by default
 
 
-@pytest.mark.parametrize("over, steps", [({}, 0), (dict(recovery__warmup_steps=5), 5),
+@pytest.mark.parametrize("over, steps", [(dict(recovery__warm_start="none"), 0), ({}, 20),  # the default: auto, warm here
+                                         (dict(recovery__warm_start="none", recovery__warmup_steps=5), 5),
                                          (dict(recovery__warm_start="replaceme", recovery__warmup_steps=0), 0)])
 def test_warm_up_steps_default_to_zero_for_a_cold_start_and_can_be_set(assets, tmp_path, over, steps):
     p = Pipeline(tiny_cfg(assets, tmp_path / "w", **FAST, **over), progress=False)
@@ -217,3 +218,61 @@ def test_replaceme_refuses_a_run_that_starts_at_block_zero():
     plan = plan_pruning(6, [0, 1], blocks=1)
     with pytest.raises(OverRepError, match="block 0"):
         fit_and_fold(prune(copy.deepcopy(dense), plan), dense, plan, tiny_ids(2, 16), FitOptions(rows=2))
+
+
+@pytest.mark.parametrize("arch, removed, words", [
+    ("llama", [2, 3], None), ("bamba", [2, 3], None),  # a gated MLP after Mamba or attention: foldable
+    ("qwen3_moe", [3], None), ("nemotron_h", [3], None),  # the block before is a dense MLP
+    ("llama", [0, 1], "block 0"), ("qwen3_moe", [2], "experts"), ("nemotron_h", [2], "no feed-forward"),
+    ("gemma3", [2, 3], "not added to its residual"),  # the post-feed-forward norm
+])
+def test_fold_blocker_says_where_replacemes_map_cannot_fold(arch, removed, words):
+    why = fold_blocker(tiny_model(arch), removed, tiny_ids(2, 16))
+    assert why is None if words is None else words in why
+
+
+def test_the_blocker_agrees_with_the_fold_check():
+    """Where the blocker sees nothing, the map folds exactly; where it objects, so does the fit."""
+    for arch, removed in (("llama", [2, 3]), ("gemma3", [2, 3])):
+        dense = tiny_model(arch)
+        plan = plan_pruning(6, removed, blocks=1)
+        ids = tiny_ids(4, 16)
+        blocked = fold_blocker(dense, removed, ids[:2]) is not None
+        try:
+            fit_and_fold(prune(copy.deepcopy(dense), plan), dense, plan, ids, FitOptions(rows=4))
+            folded = True
+        except OverRepError:
+            folded = False
+        assert folded != blocked, arch
+
+
+@pytest.mark.parametrize("teacher", ["model", "stream"])
+def test_auto_warm_start_warms_overrep_where_the_fit_applies(assets, tmp_path, teacher):
+    p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__warm_start="auto", recovery__closed_rows=8,
+                          cache__teacher=teacher, **FAST), progress=False)
+    p.load(create_output=False)
+    assert p.metrics["warm_start"] == {"setting": "auto", "used": "replaceme", "preset": "hybrid-linear"}
+    assert (p.rcfg.warm_start, p.rcfg.preset, p.rcfg.warmup_steps) == ("replaceme", "hybrid-linear", 20)
+    p.prune()
+    run = build_recovery(p.method_inputs(), p.method)
+    assert run.prepared["warm_start"]["kind"] == "lstsq" and run.preset.name == "hybrid-linear"
+
+
+@pytest.mark.parametrize("over, words", [
+    (dict(recovery__method="plain"), "starts cold"),  # auto warms only the methods measured to gain
+    (dict(recovery__method="lora"), "starts cold"),
+    (dict(prune__remove="0-1"), "block 0"),
+    (dict(prune__granularity="width", prune__remove=None, prune__ratio=0.25), "widths"),
+])
+def test_auto_warm_start_starts_cold_and_says_why_elsewhere(assets, tmp_path, over, words):
+    p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__warm_start="auto", **FAST, **over), progress=False)
+    p.load(create_output=False)
+    decided = p.metrics["warm_start"]
+    assert decided["used"] == "none" and words in decided["why"]
+    assert p.rcfg.warm_start == "none" and p.rcfg.warmup_steps == 0 and p.rcfg.preset == p.cfg.recovery.preset
+
+
+def test_an_explicit_warm_start_keeps_the_preset_it_is_given(assets, tmp_path):
+    p = Pipeline(tiny_cfg(assets, tmp_path / "e", recovery__warm_start="replaceme", **FAST), progress=False)
+    p.load(create_output=False)
+    assert p.rcfg.preset == "hybrid" and p.metrics["warm_start"] == {"setting": "replaceme", "used": "replaceme"}

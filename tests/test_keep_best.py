@@ -69,7 +69,8 @@ def test_overrep_chooses_only_among_steps_that_fold_exactly(assets, tmp_path, sc
     # the lowest perplexity is at step 2, while the annealed activation is non-linear
     scripted["script"] = {s: (1.0 if s == 2 else 20.0 - s) for s in range(1, 11)}
     scripted["script"][9] = 5.0
-    trainer = _trained(tiny_cfg(assets, tmp_path / "o", recovery__steps=10, recovery__eval_every=1))
+    trainer = _trained(tiny_cfg(assets, tmp_path / "o", recovery__steps=10, recovery__eval_every=1,
+                                recovery__warm_start="none"))  # cold: the annealed preset
     alpha = {h["step"]: h["alpha"] for h in trainer.history}
     assert alpha[2] > 0 and alpha[9] == 0
     assert trainer.selected["step"] == 9 and trainer.selected["last_val_ppl"] == 10.0

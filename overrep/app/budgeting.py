@@ -60,12 +60,11 @@ def checkpointed_total(out: Path) -> int | None:
 #: the run, so AdamW's first steps move every weight by about the learning rate, which a run of
 #: a few steps never takes back (docs/closed-forms.md)
 MIN_BUDGET_STEPS = 10
-#: the same from a warm start, which has a good model to lose: OverRep from ReplaceMe's fit
-#: (test perplexity 193) measured 37,862 / 247,763 / 4,531 / 826 / 257 after 1 / 7 / 10 / 20 / 40
-#: steps with a one-step warm-up. A warm start now warms up over 20 steps (recovery.warmup_steps),
-#: which kept its head start from the first step at 80 steps and 2.5 minutes; runs this short
-#: were not measured again with it, so the floor stays (docs/closed-forms.md)
-MIN_WARM_BUDGET_STEPS = 50
+#: the same from a warm start, which has a good model to lose: with its 20 learning-rate warm-up
+#: steps OverRep from ReplaceMe's fit (validation 196) measured validation 227 / 189 after 10 /
+#: 20 steps (cold: 461 / 294), so from 20 steps on it beats the closed form it started from; with
+#: a one-step warm-up it had measured test 37,862 / 4,531 / 826 after 1 / 10 / 20 (docs/closed-forms.md)
+MIN_WARM_BUDGET_STEPS = 20
 
 
 def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started: float, world: World,

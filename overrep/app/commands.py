@@ -301,10 +301,12 @@ def cmd_methods(args) -> int:
     print(f"layer-wise losses (recovery.loss; {layerwise}; A>B: A, then B from recovery.loss_switch):")
     for name, loss in LOSSES.items():
         print(f"  {name:12s} {loss.description}")
-    from ..recovery.methods.closed_form import COMPENSATE, WARM_STARTS
+    from ..recovery.methods.closed_form import AUTO, COMPENSATE, WARM_STARTS
 
+    auto = ", ".join(n for n, m in METHODS.items() if m.auto_warm_start)
     print(f"before a method starts: recovery.compensate {' | '.join(COMPENSATE)} (prunecomp: Prune&Comp's scale at "
-          f"each gap, folded exactly); recovery.warm_start {' | '.join(WARM_STARTS)} (overrep, plain, streamline)")
+          f"each gap, folded exactly); recovery.warm_start {' | '.join(WARM_STARTS)} ({layerwise}) | {AUTO} "
+          f"(replaceme for {auto} where the fit applies, else none)")
     print("pruning criteria (prune.criterion):")
     for name, c in CRITERIA.items():
         print(f"  {name:16s} {c.description}")

@@ -41,7 +41,7 @@ from ..model.wrap import count_parameters, plan_recovery
 from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION, Selection
 from ..recovery.budget import Deadline, parse_duration
-from ..recovery.methods import build_recovery, get_method, prepare_closed_form
+from ..recovery.methods import build_recovery, get_method, prepare_closed_form, resolve_warm_start
 from ..recovery.teacher import MethodInputs, Teacher
 from ..recovery.sharding import gather, shard_objective
 from ..recovery.trainer import Trainer
@@ -155,10 +155,10 @@ class Pipeline:
             cfg.eval.domains if cfg.eval.perplexity else None, self.tokenizer, training_source=d.source,
             seq_len=d.seq_len, rows=cfg.eval.domain_sequences, seed=d.seed), cfg.eval)
         self.timings["data"] = time.perf_counter() - t0
-        if self.width:
-            self.select_widths()
-        else:
-            self.select_blocks()
+        self.select_widths() if self.width else self.select_blocks()
+        r, self.metrics["warm_start"] = resolve_warm_start(r, self.method, self.dense, None if self.width else
+                                                           self.selection.removed, self.train_ids[:2])
+        if not self.width:
             self.plan = plan_recovery(self.dense, self.selection.removed, get_preset(r.preset_name),
                                       blocks=r.blocks_per_run, block1_init=r.block1_init,
                                       final_block=r.final_block, keep=self.selection.replaced)

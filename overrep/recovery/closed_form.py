@@ -261,3 +261,30 @@ def fit_and_fold(pruned: nn.Module, dense: nn.Module, plan: PrunePlan, ids: torc
                     "distance_from_identity": ((t - eye).norm() / eye.norm()).item(), **info})
     pruned.train(was)
     return {"kind": kind, "rows": int(ids.shape[0]), "tokens_spec": opts.tokens, "ridge": opts.ridge, "runs": out}
+
+
+@torch.no_grad()
+def fold_blocker(model: nn.Module, removed: list[int], ids: torch.Tensor) -> str | None:
+    """Why ReplaceMe's map cannot fold into ``model`` for the removed blocks ``removed``
+    (None: it can), found without fitting: a run starting at block 0, a block before a run
+    with experts or no feed-forward part, or one whose MLP output is not added to the
+    residual as it is (checked on ``ids``: a shift of the ``down_proj`` output must shift the
+    block's output by exactly as much; Gemma's post-feed-forward norm does not)."""
+    layers = decoder_layers(model)
+    for a, b in contiguous_runs(removed):
+        if a == 0:
+            return f"the removed run {a}-{b} starts at block 0"
+        try:
+            down = down_projection(layers[a - 1], a - 1)
+        except OverRepError as e:
+            return str(e).removeprefix("closed-form fit: ").split(";")[0]
+        y, m = _block_output(model, a - 1, ids, down)
+        shift = torch.randn(m.shape, generator=torch.Generator().manual_seed(0)).to(m) * y.float().abs().max()
+        handle = down.register_forward_hook(lambda mod, args, out: out + shift)
+        try:
+            shifted, _ = _block_output(model, a - 1, ids)
+        finally:
+            handle.remove()
+        if not (shifted.float() - y.float() - shift.float()).abs().max() <= 0.05 * shift.float().abs().max():
+            return f"block {a - 1}'s MLP output is not added to its residual as it is"
+    return None

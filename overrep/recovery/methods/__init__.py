@@ -44,7 +44,7 @@ from ..losses import LossOptions
 from ..teacher import MethodInputs
 from .adapters import AdaLoraRun, AdapterRun, IsoLoraRun, LoraOptions, iso_rank, lora_params_per_rank, projection_names
 from .base import Method, MethodRun
-from .closed_form import ClosedFormOptions, ClosedFormRun, prepare as prepare_closed_form
+from .closed_form import ClosedFormOptions, ClosedFormRun, prepare as prepare_closed_form, resolve_warm_start
 from .layerwise import LayerwiseRun
 from .rankadaptor import RankAdaptorOptions, RankAdaptorRun
 from .restorelcc import RestoreLCCOptions, RestoreLCCRun
@@ -59,7 +59,7 @@ _ADAPTER = dict(objective="lm", default_lr=1e-3, family="adapter", options=(Lora
 METHODS: Registry[Method] = Registry("recovery method")
 for _m in [
     Method("overrep", "OverRep: overcomplete recovery blocks, layer-wise loss (recovery.loss), folded back exactly",
-           **_LAYERWISE, width_lr=1e-4),
+           **_LAYERWISE, width_lr=1e-4, auto_warm_start=True),
     Method("plain", "the same recovery blocks and layer-wise loss without W, D or annealing", **_LAYERWISE,
            preset="plain"),
     Method("streamline", "Streamline: one block (all weights) trained to replace the removed run", **_LAYERWISE,
@@ -118,4 +118,4 @@ def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = Tr
 
 
 __all__ = ["METHODS", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery", "prepare_closed_form",
-           "iso_rank", "lora_params_per_rank", "projection_names"]
+           "resolve_warm_start", "iso_rank", "lora_params_per_rank", "projection_names"]

@@ -39,6 +39,7 @@ class Method:
     block_removal_only: str | None = None  # why it cannot recover a width-pruned model (None: it can)
     width_lr: float | None = None  # its default learning rate on a width-pruned model (None: default_lr)
     planned_account: bool = True  # `overrep inspect` counts what trains from the plan (False: builds the method)
+    auto_warm_start: bool = False  # recovery.warm_start: auto starts it from ReplaceMe's fit where that applies
     trains: bool = True  # False: a closed form, fitted when it is set up; the pipeline runs no training steps
 
 

@@ -13,22 +13,38 @@ its recovery blocks, so OverRep, Plain and Streamline start from the fitted weig
 stream before each gap; a layer-wise module is trained on the dense model's unscaled
 features and learns the gap itself, so there the scale is refused (it would not be the
 function the features describe).
+
+``recovery.warm_start: auto`` warm-starts where it is measured to help and the fit applies
+(:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep), block
+pruning, and every removed run foldable (:func:`~overrep.recovery.closed_form.fold_blocker`);
+anywhere else the run starts cold and ``metrics.json`` says why.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 
 from ...errors import OverRepError
-from ..closed_form import FitOptions, check_tokens, fit_and_fold
+from ..closed_form import FitOptions, check_tokens, fit_and_fold, fold_blocker
 from ..compensation import prunecomp
 from ..teacher import MethodInputs
 from .base import Method, MethodRun
 
+log = logging.getLogger(__name__)
+
 COMPENSATE = ("none", "prunecomp")
 #: closed forms a layer-wise method may start from (the fit each one is)
 WARM_STARTS = {"none": None, "replaceme": "lstsq", "replaceme-cos": "cosine"}
+#: ``recovery.warm_start: auto``: this closed form where it applies (:func:`resolve_warm_start`), else none
+AUTO = "auto"
+AUTO_WARM_START = "replaceme"
+#: the preset ``auto``'s warm start trains instead of the default ``hybrid``: the annealed activation
+#: loses the closed form's head start (2.5 min: validation 120 linear against 144 annealed,
+#: docs/closed-forms.md)
+WARM_PRESETS = {"hybrid": "hybrid-linear"}
 
 
 @dataclass
@@ -36,7 +52,7 @@ class ClosedFormOptions:
     """The ``recovery`` keys of the closed forms (docs/closed-forms.md)."""
 
     compensate: str = "none"  # any method but the layer-wise ones: "prunecomp" scales the stream before each gap by mean|X_after|/mean|X_before| (Prune&Comp, folded exactly) before the method starts | "none"
-    warm_start: str = "none"  # overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none"
+    warm_start: str = "auto"  # "auto": replaceme (and preset hybrid trained as hybrid-linear) for overrep where the fit applies, else none (metrics.json says why) | overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none": a cold start
     closed_rows: int = 64  # training rows the closed forms are fitted on (streamed; never validation or test rows)
     closed_tokens: str = "skip-first"  # tokens the fit counts: "all" (the published fit) or a +-joined subset of skip-first | sinks (RMS > 10x the row's median: attention sinks) | rms (each row divided by the target's RMS); chosen on validation rows, docs/closed-forms.md
     closed_ridge: float = 1e-4  # least squares: ridge, relative to the mean diagonal of M^T M (the published fit: 0)
@@ -48,9 +64,10 @@ class ClosedFormOptions:
         """The closed-form keys against the method they would apply to (no model needed)."""
         if self.compensate not in COMPENSATE:
             raise OverRepError(f"recovery.compensate must be one of {', '.join(COMPENSATE)}, got '{self.compensate}'")
-        if self.warm_start not in WARM_STARTS:
-            raise OverRepError(f"recovery.warm_start must be one of {', '.join(WARM_STARTS)}, got '{self.warm_start}'")
-        if self.warm_start != "none" and method.objective != "layerwise":
+        if self.warm_start not in (*WARM_STARTS, AUTO):
+            raise OverRepError(f"recovery.warm_start must be one of {', '.join(WARM_STARTS)}, {AUTO}; "
+                               f"got '{self.warm_start}'")
+        if self.warm_start in WARM_STARTS and self.warm_start != "none" and method.objective != "layerwise":
             raise OverRepError(f"recovery.warm_start starts a layer-wise method (overrep, plain, streamline) from the "
                                f"closed form; '{method.name}' is not one (for the closed form alone: --method replaceme)")
         if self.compensate != "none" and method.objective == "layerwise":
@@ -66,6 +83,27 @@ def fit_options(r) -> FitOptions:
     """The ``recovery.closed_*`` keys as :class:`FitOptions`."""
     return FitOptions(rows=r.closed_rows, tokens=r.closed_tokens, ridge=r.closed_ridge, cos_steps=r.closed_cos_steps,
                       cos_lr=r.closed_cos_lr, cos_seconds=r.closed_cos_seconds)
+
+
+def resolve_warm_start(r, method: Method, model, removed: list[int] | None, probe) -> tuple[object, dict]:
+    """``r`` (the ``recovery`` section) with ``warm_start`` and ``preset`` made concrete before
+    the recovery is planned, and its record for ``metrics.json`` (what ``auto`` chose and why).
+    ``model``: the dense model; ``removed``: its removed blocks (None: width pruning);
+    ``probe``: a training row or two for :func:`~overrep.recovery.closed_form.fold_blocker`."""
+    if r.warm_start != AUTO:
+        return r, {"setting": r.warm_start, "used": r.warm_start}
+    if not method.auto_warm_start:
+        used, why = "none", f"{method.name} starts cold unless recovery.warm_start names a closed form"
+    elif removed is None:
+        used, why = "none", "the closed forms replace removed blocks, not pruned widths"
+    else:
+        blocker = fold_blocker(model, removed, probe)
+        used, why = ("none", f"ReplaceMe's map does not apply: {blocker}") if blocker else (AUTO_WARM_START, None)
+    preset = WARM_PRESETS.get(r.preset, r.preset) if used != "none" else r.preset
+    if why and method.auto_warm_start:
+        log.warning("recovery.warm_start auto: starting cold (%s)", why)
+    return dataclasses.replace(r, warm_start=used, preset=preset), {"setting": AUTO, "used": used, "preset": preset,
+                                                                     **({"why": why} if why else {})}
 
 
 def prepare(inputs: MethodInputs, method: Method) -> dict:
