@@ -276,3 +276,11 @@ def test_an_explicit_warm_start_keeps_the_preset_it_is_given(assets, tmp_path):
     p = Pipeline(tiny_cfg(assets, tmp_path / "e", recovery__warm_start="replaceme", **FAST), progress=False)
     p.load(create_output=False)
     assert p.rcfg.preset == "hybrid" and p.metrics["warm_start"] == {"setting": "replaceme", "used": "replaceme"}
+
+
+def test_the_report_says_how_training_started():
+    from overrep.app.report import _warm_start_line
+
+    assert "ReplaceMe" in _warm_start_line({"setting": "auto", "used": "replaceme", "preset": "hybrid-linear"})[0]
+    assert "did not apply (experts)" in _warm_start_line({"setting": "auto", "used": "none", "why": "experts"})[0]
+    assert "cold" in _warm_start_line({"setting": "none", "used": "none"})[0] and _warm_start_line(None) == []

@@ -61,6 +61,17 @@ def _fmt(v, digits=4):
     return str(v)
 
 
+def _warm_start_line(w: dict | None) -> list[str]:
+    """How training started (``recovery.warm_start``), one line."""
+    if not w:
+        return []
+    if w["used"] == "none":
+        why = f"`recovery.warm_start: auto` did not apply ({w['why']})" if w.get("why") else "`recovery.warm_start: none`"
+        return [f"- started cold: {why}"]
+    return [f"- started from ReplaceMe's closed-form map, folded into the block before each gap "
+            f"(`recovery.warm_start: {w['setting']}`)"]
+
+
 def _selection_line(sel: dict | None) -> list[str]:
     if not sel:
         return []
@@ -155,6 +166,7 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         f"- method `{m.get('method')}`" + (f", preset `{m['preset']}`" if m.get("preset") else "")
         + f", learning rate {_fmt(m.get('lr'), 3)}, {_fmt(m.get('trainable_params'))} trainable parameters "
         f"(recovery ratio {100 * m.get('recovery_ratio', 0):.1f}% of the compact model)",
+        *_warm_start_line(m.get("warm_start")),
         f"- {m.get('train_steps')} steps, {_fmt(m.get('train_seconds'), 3)} s, "
         f"{_fmt(m.get('train_tokens_per_second'), 4)} tokens/s",
         f"- final training {loss} {_fmt(m.get('final_train_loss'))}, validation {_fmt(m.get('final_val_loss'))}",

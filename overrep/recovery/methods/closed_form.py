@@ -118,7 +118,9 @@ def prepare(inputs: MethodInputs, method: Method) -> dict:
         out["prunecomp"]["seconds"] = time.perf_counter() - t0
     kind = WARM_STARTS.get(r.warm_start)
     if kind is not None and method.objective == "layerwise":
-        out["warm_start"] = fit_and_fold(inputs.pruned, inputs.dense, inputs.plan, ids, fit_options(r), kind)
+        fit = out["warm_start"] = fit_and_fold(inputs.pruned, inputs.dense, inputs.plan, ids, fit_options(r), kind)
+        log.info("warm start: ReplaceMe's map (%s) fitted on %d rows and folded into block(s) %s in %.1f s", kind,
+                 fit["rows"], ", ".join(str(x["block"]) for x in fit["runs"]), sum(x["seconds"] for x in fit["runs"]))
     return out
 
 
