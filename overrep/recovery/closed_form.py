@@ -114,15 +114,23 @@ class NormalEquations:
             return torch.linalg.lstsq(a.cpu(), self.B.cpu(), driver="gelsd").solution.to(a.device)
 
 
-def down_projection(layer: nn.Module, index: int) -> nn.Linear:
-    """The projection writing block ``index``'s MLP output, or a one-line error where there is none."""
+def _down_or_why(layer: nn.Module, index: int) -> tuple[nn.Linear | None, str | None]:
+    """The projection writing block ``index``'s MLP output, or why the block has none."""
     parts = block_parts(layer, index)
     if "down" not in parts.projections:
-        why = "a mixture of experts" if parts.experts is not None else "no feed-forward part"
-        raise OverRepError(f"closed-form fit: block {index} has {why}; ReplaceMe's map folds into a dense MLP's "
-                           "down projection (use a method that trains, or another mask)")
+        return None, f"block {index} has " + ("a mixture of experts" if parts.experts is not None
+                                              else "no feed-forward part")
     parent, attr = parts.projections["down"]
-    return getattr(parent, attr)
+    return getattr(parent, attr), None
+
+
+def down_projection(layer: nn.Module, index: int) -> nn.Linear:
+    """The projection writing block ``index``'s MLP output, or a one-line error where there is none."""
+    down, why = _down_or_why(layer, index)
+    if down is None:
+        raise OverRepError(f"closed-form fit: {why}; ReplaceMe's map folds into a dense MLP's "
+                           "down projection (use a method that trains, or another mask)")
+    return down
 
 
 @torch.no_grad()
@@ -274,10 +282,9 @@ def fold_blocker(model: nn.Module, removed: list[int], ids: torch.Tensor) -> str
     for a, b in contiguous_runs(removed):
         if a == 0:
             return f"the removed run {a}-{b} starts at block 0"
-        try:
-            down = down_projection(layers[a - 1], a - 1)
-        except OverRepError as e:
-            return str(e).removeprefix("closed-form fit: ").split(";")[0]
+        down, why = _down_or_why(layers[a - 1], a - 1)
+        if down is None:
+            return why
         y, m = _block_output(model, a - 1, ids, down)
         shift = torch.randn(m.shape, generator=torch.Generator().manual_seed(0)).to(m) * y.float().abs().max()
         handle = down.register_forward_hook(lambda mod, args, out: out + shift)
