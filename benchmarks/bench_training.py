@@ -116,13 +116,8 @@ def peak_rss_mb() -> float:
 
 def flop_counter():
     """FlopCounterMode that also counts the CPU flash-attention kernels SDPA uses on CPU."""
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
-    aten = torch.ops.aten
-    return FlopCounterMode(display=False, custom_mapping={  # arguments arrive as shapes
-        aten._scaled_dot_product_flash_attention_for_cpu:
-            lambda q, k, v, *_, out_shape=None, **__: sdpa_flop_count(q, k, v),
-        aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda g, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(g, q, k, v)})
+    from overrep.model.flops import flop_counter as counter
+    return counter(cpu_attention=True)
 
 
 _PIPELINES = itertools.count()

@@ -231,10 +231,13 @@ def test_fold_blocker_says_where_replacemes_map_cannot_fold(arch, removed, words
     assert why is None if words is None else words in why
 
 
-def test_the_blocker_agrees_with_the_fold_check():
-    """Where the blocker sees nothing, the map folds exactly; where it objects, so does the fit."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_blocker_agrees_with_the_fold_check(dtype):
+    """Where the blocker sees nothing, the map folds exactly (to the rounding of the weights'
+    dtype: bf16 weights are what `model.dtype: auto` loads on a GPU); where it objects, so does
+    the fit."""
     for arch, removed in (("llama", [2, 3]), ("gemma3", [2, 3])):
-        dense = tiny_model(arch)
+        dense = tiny_model(arch).to(dtype)
         plan = plan_pruning(6, removed, blocks=1)
         ids = tiny_ids(4, 16)
         blocked = fold_blocker(dense, removed, ids[:2]) is not None

@@ -198,3 +198,27 @@ def test_unsupported_architecture_is_one_line(capsys, tmp_path):
     GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50).save_pretrained(tmp_path)
     code, _, err = run_cli(capsys, "--model", str(tmp_path / "config.json"))
     assert code == 2 and "unsupported architecture" in err and err.count("\n") == 1
+
+
+def test_the_flop_counter_counts_grouped_query_attention_as_its_query_heads():
+    """torch before 2.13 refuses key/value with fewer heads in its attention count; ours gives
+    what the same attention over repeated key/value heads costs, and torch's figure where
+    torch has one."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from overrep.model.flops import _attention_backward_flops, _attention_flops, flop_counter
+
+    q, kv = (2, 6, 16, 8), (2, 6, 16, 4)
+    assert _attention_flops(q, q, kv) == sdpa_flop_count(q, q, kv)
+    assert _attention_backward_flops(kv[:3] + (4,), q, q, kv) == sdpa_backward_flop_count(kv[:3] + (4,), q, q, kv)
+    g = torch.Generator().manual_seed(0)
+    query, key = torch.randn(2, 6, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g)
+    counts = []
+    for k in (key, key.repeat_interleave(3, dim=1)):
+        counter = flop_counter(cpu_attention=True)
+        with counter:
+            F.scaled_dot_product_attention(query, k, k, is_causal=True, enable_gqa=True)
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] == 2 * 2 * 6 * 16 * 16 * (8 + 8)

@@ -72,3 +72,37 @@ def block_macs(layer: nn.Module, config, seq_len: int) -> int:
 def blocks_macs(layers, config, seq_len: int) -> int:
     """MACs per token of several decoder blocks, one after the other."""
     return sum(block_macs(layer, config, seq_len) for layer in layers)
+
+
+def _attention_flops(q, k, v, *_, out_shape=None, **__) -> int:
+    """Forward FLOPs of a fused attention kernel from its ``[B, H, T, d]`` shapes: ``QK^T`` and
+    ``AV`` over every query head, also where key and value have fewer heads (grouped-query
+    attention, which torch's own count refuses before 2.13)."""
+    b, heads, t_q, d_qk = q
+    return 2 * b * heads * t_q * k[-2] * (d_qk + v[-1])
+
+
+def _attention_backward_flops(grad, q, k, v, *_, out_shape=None, **__) -> int:
+    """The scores recomputed (``QK^T``), the scores' and V's gradients (two products over
+    ``d_v``), Q's and K's (two over ``d_qk``): torch's own count, for every head layout."""
+    b, heads, t_q, d_qk = q
+    return 2 * b * heads * t_q * k[-2] * (3 * d_qk + 2 * v[-1])
+
+
+def flop_counter(cpu_attention: bool = False):
+    """torch's ``FlopCounterMode`` (matrix products and fused attention kernels), with a
+    grouped-query-aware count for the fused attention kernels on every torch version.
+    ``cpu_attention`` also counts the CPU flash-attention kernel, which torch's table leaves out."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    aten = torch.ops.aten
+    forward = ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_cudnn_attention"]
+    backward = [name + "_backward" for name in forward]
+    if cpu_attention:
+        forward.append("_scaled_dot_product_flash_attention_for_cpu")
+        backward.append("_scaled_dot_product_flash_attention_for_cpu_backward")
+    mapping = {getattr(aten, n): _attention_flops for n in forward if hasattr(aten, n)}
+    mapping.update({getattr(aten, n): _attention_backward_flops for n in backward if hasattr(aten, n)})
+    return FlopCounterMode(display=False, custom_mapping=mapping)

@@ -45,7 +45,7 @@ class TrainingOptions:
     seed: int = 0  # initialisation / batch-order seed
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
     eval_every: int = 50  # steps between validation measurements (val_loss; val_ppl on data.validation_sequences rows); a time-budgeted run sets its own (validation_share)
-    budget_min_steps: int | None = None  # time budget: the fewest optimiser steps it may leave, else the run stops with an error before training (None: 10, and 50 from a warm start: fewer measured worse than no training, docs/closed-forms.md)
+    budget_min_steps: int | None = None  # time budget: the fewest optimiser steps it may leave, else the run stops with an error before training (None: 10, and 20 from a warm start: fewer measured worse than its own closed form, docs/closed-forms.md)
     validation_share: float = 0.05  # time-budgeted runs: the most of the budget the validations during training (keep_best, val_ppl in the log) may take, spread evenly, the last at the end; none where one does not fit (the report scores the validation rows anyway)
     keep_best: bool = True  # end at the checkpoint of lowest val_ppl (among those that fold exactly: alpha = 0) when it beats the last step; needs validation rows
     threads: int | None = None  # torch CPU threads (None = torch's default)

@@ -387,10 +387,10 @@ class Trainer:
         teacher's forward included) times 3, the usual forward + backward estimate. Counted on
         a separate no-grad pass after training, since a dispatch mode around a real step would
         change its numerics."""
-        from torch.utils.flop_counter import FlopCounterMode
+        from ..model.flops import flop_counter
 
         idx = self.batch_indices(0)
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         with torch.no_grad(), counter:
             for k in range(self.cfg.grad_accum):
                 self.objective.loss(self.world.part(idx[k * self.micro:(k + 1) * self.micro]))

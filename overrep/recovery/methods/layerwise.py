@@ -63,7 +63,8 @@ class LayerwiseRun(MethodRun):
         def outputs(precision: str) -> torch.Tensor:
             for m in self.modules:
                 m.precision = precision
-            return torch.cat([m(f["inputs"], c).flatten() for m, f, c in zip(self.modules, probe, self.contexts)])
+            return torch.cat([m(_like_params(f["inputs"], m), c).flatten()
+                              for m, f, c in zip(self.modules, probe, self.contexts)])
 
         trained = self.inputs.config.precision
         low = outputs(trained) if trained != "fp32" else None
@@ -76,6 +77,13 @@ class LayerwiseRun(MethodRun):
 
     def describe(self) -> dict:
         return {**super().describe(), "preset": self.preset.to_dict(), "loss": self.loss}
+
+
+def _like_params(x: torch.Tensor, module) -> torch.Tensor:
+    """``x`` on the device and in the dtype of ``module``'s weights (a streamed teacher's
+    features sit on the CPU while the module trains on a GPU)."""
+    p = next(module.parameters())
+    return x.to(p.device, p.dtype)
 
 
 def _with_rows(source, rows: dict):
