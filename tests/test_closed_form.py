@@ -261,9 +261,20 @@ def test_auto_warm_start_warms_overrep_where_the_fit_applies(assets, tmp_path, t
     assert run.prepared["warm_start"]["kind"] == "lstsq" and run.preset.name == "hybrid-linear"
 
 
+def test_auto_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_path):
+    p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__method="plain", recovery__warm_start="auto",
+                          recovery__closed_rows=8, **FAST), progress=False)
+    p.load(create_output=False)
+    assert p.metrics["warm_start"] == {"setting": "auto", "used": "replaceme", "preset": "plain"}
+    assert (p.rcfg.warm_start, p.rcfg.warmup_steps) == ("replaceme", 20)
+    p.prune()
+    run = build_recovery(p.method_inputs(), p.method)
+    assert run.prepared["warm_start"]["kind"] == "lstsq" and run.preset.name == "plain"
+
+
 @pytest.mark.parametrize("over, words", [
-    (dict(recovery__method="plain"), "starts cold"),  # auto warms only the methods measured to gain
-    (dict(recovery__method="lora"), "starts cold"),
+    (dict(recovery__method="streamline"), "not measured to gain"),  # auto warms the methods measured to gain
+    (dict(recovery__method="lora"), "warm the layer-wise methods"),
     (dict(prune__remove="0-1"), "block 0"),
     (dict(prune__granularity="width", prune__remove=None, prune__ratio=0.25), "widths"),
 ])

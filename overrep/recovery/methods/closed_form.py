@@ -15,7 +15,8 @@ features and learns the gap itself, so there the scale is refused (it would not 
 function the features describe).
 
 ``recovery.warm_start: auto`` warm-starts where it is measured to help and the fit applies
-(:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep), block
+(:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep and Plain;
+Streamline gained too little from it to be warmed by default: docs/closed-forms.md), block
 pruning, and every removed run foldable (:func:`~overrep.recovery.closed_form.fold_blocker`);
 anywhere else the run starts cold and ``metrics.json`` says why.
 """
@@ -52,7 +53,7 @@ class ClosedFormOptions:
     """The ``recovery`` keys of the closed forms (docs/closed-forms.md)."""
 
     compensate: str = "none"  # any method but the layer-wise ones: "prunecomp" scales the stream before each gap by mean|X_after|/mean|X_before| (Prune&Comp, folded exactly) before the method starts | "none"
-    warm_start: str = "auto"  # "auto": replaceme (and preset hybrid trained as hybrid-linear) for overrep where the fit applies, else none (metrics.json says why) | overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none": a cold start
+    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear) and plain where the fit applies, else none (metrics.json says why) | overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none": a cold start
     closed_rows: int = 64  # training rows the closed forms are fitted on (streamed; never validation or test rows)
     closed_tokens: str = "skip-first"  # tokens the fit counts: "all" (the published fit) or a +-joined subset of skip-first | sinks (RMS > 10x the row's median: attention sinks) | rms (each row divided by the target's RMS); chosen on validation rows, docs/closed-forms.md
     closed_ridge: float = 1e-4  # least squares: ridge, relative to the mean diagonal of M^T M (the published fit: 0)
@@ -93,16 +94,20 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
     if r.warm_start != AUTO:
         return r, {"setting": r.warm_start, "used": r.warm_start}
     if not method.auto_warm_start:
-        used, why = "none", f"{method.name} starts cold unless recovery.warm_start names a closed form"
+        used, why = "none", (f"{method.name} is not measured to gain from it (recovery.warm_start: replaceme starts "
+                             "it warm)" if method.objective == "layerwise" else
+                             f"{method.name} trains on its own objective; the closed forms warm the layer-wise methods")
     elif removed is None:
         used, why = "none", "the closed forms replace removed blocks, not pruned widths"
     else:
         blocker = fold_blocker(model, removed, probe)
         used, why = ("none", f"ReplaceMe's map does not apply: {blocker}") if blocker else (AUTO_WARM_START, None)
-    preset = WARM_PRESETS.get(r.preset, r.preset) if used != "none" else r.preset
+    # the preset it trains: a method that forces its own (Plain's `plain`) keeps it
+    preset = WARM_PRESETS.get(r.preset, r.preset) if used != "none" and method.preset is None else r.preset
     if why and method.auto_warm_start:
         log.warning("recovery.warm_start auto: starting cold (%s)", why)
-    return dataclasses.replace(r, warm_start=used, preset=preset), {"setting": AUTO, "used": used, "preset": preset,
+    return dataclasses.replace(r, warm_start=used, preset=preset), {"setting": AUTO, "used": used,
+                                                                     "preset": method.preset or preset,
                                                                      **({"why": why} if why else {})}
 
 
