@@ -16,6 +16,10 @@ One token through one block costs, in multiply-adds (MACs):
 
 Norms, activations, rotary embeddings and the residual sums are left out (a few MACs per
 hidden unit, well under 1%). A forward pass costs ``2 x MACs`` FLOPs.
+
+:func:`flop_counter` is the measured counterpart: torch's dispatch-level count of a real
+forward (what ``metrics.json``'s ``train_flops`` reports), made to count grouped-query
+attention on every torch version.
 """
 
 from __future__ import annotations
