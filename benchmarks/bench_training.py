@@ -114,12 +114,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB  # Linux: ru_maxrss is in KiB
 
 
-def flop_counter():
-    """FlopCounterMode that also counts the CPU flash-attention kernels SDPA uses on CPU."""
-    from overrep.model.flops import flop_counter as counter
-    return counter(cpu_attention=True)
-
-
 _PIPELINES = itertools.count()
 
 
@@ -365,7 +359,9 @@ def run_child(args) -> dict:
     if hwm_ok:
         out["train_peak_rss_mb"] = rss_hwm_mb()
     out["peak_rss_mb"] = max(peak_before, peak_rss_mb(), out.get("train_peak_rss_mb", 0.0))
-    with flop_counter() as fc:  # one more step, after the memory readings
+    from overrep.model.flops import flop_counter
+
+    with flop_counter(cpu_attention=True) as fc:  # one more step, after the memory readings (CPU attention counted)
         step(args.warmup + args.steps)
     mean = sum(times) / len(times)
     out.update(seconds_per_step=mean, seconds_per_step_min=min(times), tokens_per_second=tokens / mean,

@@ -222,3 +222,8 @@ def test_the_flop_counter_counts_grouped_query_attention_as_its_query_heads():
             F.scaled_dot_product_attention(query, k, k, is_causal=True, enable_gqa=True)
         counts.append(counter.get_total_flops())
     assert counts[0] == counts[1] == 2 * 2 * 6 * 16 * 16 * (8 + 8)
+    # the GPU kernels (not run here) are counted by ours, not by torch's own table
+    registry = flop_counter().flop_registry
+    for name in ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"):
+        assert registry[getattr(torch.ops.aten, name)].__wrapped__ is _attention_flops
+        assert registry[getattr(torch.ops.aten, name + "_backward")].__wrapped__ is _attention_backward_flops
