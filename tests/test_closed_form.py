@@ -17,6 +17,7 @@ from overrep.recovery.closed_form import (FitOptions, NormalEquations, _block_ou
                                           fold_blocker, fold_map, token_weights)
 from overrep.recovery.compensation import fold_scale, hadamard, linear_patch, prunecomp, tune_patches
 from overrep.recovery.methods import build_recovery, get_method
+from overrep.recovery.methods.closed_form import fit_options
 
 from tiny import tiny_cfg, tiny_config, tiny_ids, tiny_model
 
@@ -77,6 +78,22 @@ def test_fit_reduces_the_gap_error_one_map_per_run():
     info = fit_and_fold(pruned, dense, plan, ids, FitOptions(rows=8, tokens="all", ridge=0.0))
     assert [r["block"] for r in info["runs"]] == [1, 3]
     assert gap_error(pruned) < 0.75 * before  # (T = I, no map, is one of the candidates)
+
+
+def test_fit_with_bf16_forwards_finds_the_same_map_and_folds_exactly():
+    """bf16 autocast only for the calibration forwards: the map is the fp32 one to bf16's
+    rounding, and the fold check (run in the model's fp32) still passes."""
+    dense = tiny_model("llama")
+    plan = plan_pruning(6, [2, 3], blocks=1)
+    ids = tiny_ids(8, 16)
+    maps = {}
+    for precision in ("fp32", "bf16"):
+        pruned = prune(copy.deepcopy(dense), plan)
+        info = fit_and_fold(pruned, dense, plan, ids, FitOptions(rows=8, precision=precision))
+        assert info["precision"] == precision
+        maps[precision] = down_projection(decoder_layers(pruned)[1], 1).weight.detach().clone()
+    rel = (maps["bf16"] - maps["fp32"]).norm() / maps["fp32"].norm()
+    assert 0 < rel < 0.05, rel
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -179,8 +196,7 @@ def test_warm_start_starts_from_the_fitted_weights(assets, tmp_path, method):
     p.load(create_output=False)
     p.prune()
     fitted = copy.deepcopy(p.pruned)
-    fit_and_fold(fitted, p.dense, p.plan, p.train_ids, FitOptions(rows=8, tokens=cfg.recovery.closed_tokens,
-                                                                  ridge=cfg.recovery.closed_ridge))
+    fit_and_fold(fitted, p.dense, p.plan, p.train_ids, fit_options(p.rcfg))  # the run's options and precision
     want = down_projection(decoder_layers(fitted)[2], 2).weight
     run = build_recovery(p.method_inputs(), get_method(method))
     block = run.modules[0].blocks[0]

@@ -25,7 +25,10 @@ The cosine variant (ReplaceMe's ``cosine`` mode) starts T at the identity and mi
 
 Non-contiguous masks get one map per run, fitted in order so that each fit sees the
 earlier runs already replaced. Rows stream through the models in batches: the least-squares
-fit keeps only the d x d sums, never the activations.
+fit keeps only the d x d sums, never the activations. With ``precision`` ``bf16`` the
+calibration forwards run under bf16 autocast, as the layer-wise methods' feature teacher
+does (the sums, the solve and the fold stay in float64; the fold check runs in the model's
+own dtype).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..core.precision import autocast
 from ..errors import OverRepError
 from ..model.arch import block_parts, decoder_layers
 from ..model.hooks import StopForward, run_hooked
@@ -60,6 +64,7 @@ class FitOptions:
     cos_lr: float = 1e-3  # cosine variant: Adam learning rate
     cos_seconds: float | None = None  # cosine variant: stop after this many seconds (None: steps only)
     cos_tokens: int = 4096  # cosine variant: tokens per Adam step
+    precision: str = "fp32"  # the calibration forwards': "bf16" runs them under bf16 autocast (recovery.precision)
 
 
 def check_tokens(spec: str) -> set[str]:
@@ -158,9 +163,10 @@ def _block_output(model: nn.Module, index: int, ids: torch.Tensor, down: nn.Line
 
 
 def gap_batches(pruned: nn.Module, dense: nn.Module, plan: PrunePlan, run: tuple[int, int], ids: torch.Tensor,
-                batch: int):
+                batch: int, precision: str = "fp32"):
     """Per batch of rows: ``(H, M, X*)``, each ``[B, T, d]`` (float32): the residual after the
-    compact block before ``run`` minus its MLP output, that output, and the dense target."""
+    compact block before ``run`` minus its MLP output, that output, and the dense target
+    (the forwards under ``precision``'s autocast)."""
     a, b = run
     if a == 0:
         raise OverRepError(f"closed-form fit: the run {a}-{b} starts at block 0; there is no block before it "
@@ -169,15 +175,16 @@ def gap_batches(pruned: nn.Module, dense: nn.Module, plan: PrunePlan, run: tuple
     down = down_projection(decoder_layers(pruned)[ci], a - 1)
     for i in range(0, ids.shape[0], batch):
         rows = ids[i:i + batch]
-        y, m = _block_output(pruned, ci, rows, down)
-        x, _ = _block_output(dense, b, rows)
+        with autocast(precision, input_device(pruned)):
+            y, m = _block_output(pruned, ci, rows, down)
+            x, _ = _block_output(dense, b, rows)
         yield (y - m).float(), m.float(), x.float().to(y.device)
 
 
 def fit_lstsq(pruned, dense, plan, run, ids, opts: FitOptions) -> tuple[torch.Tensor, dict]:
     """T ``[d, d]`` (float64) for one run by weighted, ridged least squares."""
     eq = None
-    for h, m, x in gap_batches(pruned, dense, plan, run, ids, opts.batch):
+    for h, m, x in gap_batches(pruned, dense, plan, run, ids, opts.batch, opts.precision):
         w = token_weights(x, opts.tokens).flatten()
         d = m.shape[-1]
         eq = eq or NormalEquations(d, d, m.device)
@@ -189,7 +196,7 @@ def fit_lstsq(pruned, dense, plan, run, ids, opts: FitOptions) -> tuple[torch.Te
 def fit_cosine(pruned, dense, plan, run, ids, opts: FitOptions) -> tuple[torch.Tensor, dict]:
     """T from the identity by Adam on ``1 - cos(h + m T, x*)`` over the kept tokens."""
     hs, ms, xs = [], [], []
-    for h, m, x in gap_batches(pruned, dense, plan, run, ids, opts.batch):
+    for h, m, x in gap_batches(pruned, dense, plan, run, ids, opts.batch, opts.precision):
         keep = token_weights(x, opts.tokens).flatten() > 0  # cosine is scale-free: only the selection counts
         d = m.shape[-1]
         hs.append(h.reshape(-1, d)[keep])
@@ -270,7 +277,8 @@ def fit_and_fold(pruned: nn.Module, dense: nn.Module, plan: PrunePlan, ids: torc
         out.append({"run": list(run), "block": run[0] - 1, "seconds": time.perf_counter() - t0,
                     "distance_from_identity": ((t - eye).norm() / eye.norm()).item(), **info})
     pruned.train(was)
-    return {"kind": kind, "rows": int(ids.shape[0]), "tokens_spec": opts.tokens, "ridge": opts.ridge, "runs": out}
+    return {"kind": kind, "rows": int(ids.shape[0]), "tokens_spec": opts.tokens, "ridge": opts.ridge,
+            "precision": opts.precision, "runs": out}
 
 
 @torch.no_grad()

@@ -83,7 +83,7 @@ class ClosedFormOptions:
 def fit_options(r) -> FitOptions:
     """The ``recovery.closed_*`` keys as :class:`FitOptions`."""
     return FitOptions(rows=r.closed_rows, tokens=r.closed_tokens, ridge=r.closed_ridge, cos_steps=r.closed_cos_steps,
-                      cos_lr=r.closed_cos_lr, cos_seconds=r.closed_cos_seconds)
+                      cos_lr=r.closed_cos_lr, cos_seconds=r.closed_cos_seconds, precision=r.precision)
 
 
 def resolve_warm_start(r, method: Method, model, removed: list[int] | None, probe) -> tuple[object, dict]:
