@@ -91,15 +91,19 @@ def test_bench_script_tiny(tmp_path):
 
 def test_feature_bench_reports_both_precisions(tmp_path):
     """benchmarks/bench_features.py times the teacher in fp32 and bf16 on the same rows and
-    says how far apart their features are."""
+    says how far apart their features are, and does the same for the closed-form fit."""
     model = make_tiny_model_dir(tmp_path / "tiny-llama", _docs())
     script = SCRIPT.parent / "bench_features.py"
     done = subprocess.run([sys.executable, str(script), "--model", str(model), "--rows", "8", "--remove", "2-3",
-                           "--repeats", "1", "--threads", "1"], capture_output=True, text=True, timeout=300)
+                           "--repeats", "1", "--threads", "1", "--fit-rows", "4"], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     assert set(out["cases"]) == {"fp32", "bf16"} and out["speedup_bf16"] > 0
     assert all(c["rows_per_second"] > 0 for c in out["cases"].values())
+    fit = out["fit"]  # the closed-form fit in both precisions: the bf16 map near the fp32 one, not equal to it
+    assert fit["rows"] == 4 and all(s > 0 for s in fit["seconds"].values())
+    assert 0 < fit["bf16_map_relative_difference"] < 0.1
     for k in ("inputs", "targets"):
         err = out[f"bf16_relative_error_{k}"]
         assert 0 < err["median"] <= err["p99"] < 0.1, (k, err)
