@@ -12,7 +12,7 @@ embedded model, with what it achieved.
 
 Without a CUDA device it says so in one line and exits 2. Results belong in docs/speed.md.
 
-Run:   .venv/bin/python benchmarks/gpu_check.py [--steps 200] [--batch 8] [--seq-len 256]
+Run:   .venv/bin/python benchmarks/gpu_check.py [--steps 200] [--batch 8] [--seq-len 256] [--output DIR]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--output", default=None, help="folder for the run and its cache (default: a new temporary folder)")
     a = ap.parse_args()
     import torch
 
@@ -56,7 +57,7 @@ def main() -> int:
         # only the GPU tests' file: collecting the whole suite would import what only the CPU tests need
         tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu",
                                 str(root / "tests" / "test_gpu.py")]).returncode
-    out = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    out = Path(a.output) if a.output else Path(tempfile.mkdtemp(prefix="gpu-check-"))
     cmd = [sys.executable, "-m", "overrep", "run", "--max-steps", str(a.steps), "--output", str(out / "run"),
            "--quiet", "--set", "model.dtype=auto", "--set", "recovery.precision=auto", "--set", "model.device=cuda",
            "--set", "recovery.time_budget=null", "--set", f"recovery.batch_size={a.batch}",

@@ -171,9 +171,15 @@ def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, mon
     assert (steps, rows) == (4, 16)
     cfg = tiny_cfg(assets, tmp_path / "killed", **kw)
     run_killed_at(monkeypatch, cfg, 2)
+    ckpt = torch.load(tmp_path / "killed" / "checkpoints" / "step-000002.pt", weights_only=True)
+    before = ckpt["budget_seconds"]  # the killed process's seconds, features included, up to its checkpoint
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: pytest.fail("measured again on resume"))
     m = Pipeline(cfg, resume=True, progress=False).run()
-    assert (m["time_budget"]["steps"], m["time_budget"]["rows"]) == (steps, rows) == (m["train_steps"], rows)
+    tb = m["time_budget"]
+    assert (tb["steps"], tb["rows"]) == (steps, rows) == (m["train_steps"], rows)
+    # the seconds used count both processes: the resumed one's alone would flatter the budget
+    assert tb["resumed_from_step"] == 2 and tb["seconds_before_resume"] == before > 0
+    assert tb["used_seconds"] > before and "resumed_from_step" not in ref["time_budget"]
     a = load_file(tmp_path / "ref" / "model" / "model.safetensors")
     b = load_file(tmp_path / "killed" / "model" / "model.safetensors")
     for k in a:

@@ -130,6 +130,19 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
     return BudgetFit(total, rows, costs, info, eval_every if costs is not None else None)
 
 
+def budget_outcome(trainer) -> dict:
+    """What a budgeted run's training spent, for ``metrics.json``'s ``time_budget``: the seconds
+    it used (features + training, over every process that trained it: a resumed run adds the
+    seconds spent up to the checkpoint it resumed from), where it stopped at its deadline, and
+    its re-fitted step count."""
+    out = {"used_seconds": trainer.budget_seconds_used(), "stopped_at_step": trainer.stopped_at}
+    if trainer.resumed_from is not None:
+        out.update(resumed_from_step=trainer.resumed_from, seconds_before_resume=trainer.budget_seconds_before)
+    if trainer.refit is not None:
+        out.update(steps=trainer.total, refit=trainer.refit)
+    return out
+
+
 def compute_spent(p, trainer) -> dict:
     """The compute a run's recovery spent, for ``metrics.json``: ``train_flops`` (a step's
     count, :meth:`~overrep.recovery.trainer.Trainer.count_flops`, times the steps trained; a

@@ -203,6 +203,8 @@ class Compare:
         own = Path(cell.config["cache"]["dir"] or "")
         if cell.done and own.is_relative_to(self.out / "cache" / "cells"):
             shutil.rmtree(own / "features", ignore_errors=True)  # a wall-clock cell's own features
+        if cell.done:  # resuming is all a cell's checkpoints are for (a model's worth each); its model folder stays
+            shutil.rmtree(cell.dir / "checkpoints", ignore_errors=True)
         if proc.returncode != 0 or not cell.done:
             lines = [ln for ln in log_path.read_text().splitlines() if ln.startswith("overrep: error:")]
             message = lines[-1] if lines else f"exit status {proc.returncode} (see {log_path})"

@@ -47,7 +47,7 @@ from ..recovery.sharding import gather, shard_objective
 from ..recovery.trainer import Trainer
 from ..paths import cache_root
 from ..distributed import World, world_from_env
-from .budgeting import BudgetFit, checkpointed_total, compute_spent, fit_budget
+from .budgeting import BudgetFit, budget_outcome, checkpointed_total, compute_spent, fit_budget
 from .config import RunConfig
 from .export import export_checked, export_model
 from .outdir import RunFolder
@@ -356,16 +356,14 @@ class Pipeline:
         if not self.method.trains:  # a closed form, fitted when the method was set up
             return self.metrics.update(train_steps=0, train_seconds=0.0)
         self.trainer = trainer = self.make_trainer()
+        trainer.budget_clock = None if self.budget is None else self.recovery_started  # carried across a resume
         if self.budget is not None and self.budget.costs is not None and trainer.step == 0:  # re-fit once it runs
             trainer.deadline = Deadline(self.recovery_started + parse_duration(r.time_budget), self.budget.costs,
                                         trainer.eval_every, r.checkpoint_every)
         result = trainer.run()
         gather(self.recovery.objective)  # recovery.shard: fsdp -- full plain blocks again, for the merge
         if self.budget is not None:
-            info = self.metrics["time_budget"]
-            info.update(used_seconds=time.perf_counter() - self.recovery_started, stopped_at_step=trainer.stopped_at)
-            if trainer.refit is not None:
-                info["steps"], info["refit"] = trainer.total, trainer.refit
+            self.metrics["time_budget"].update(budget_outcome(trainer))
         if self.world.is_main:
             trainer.write_log(self.out / "train_log.jsonl")
         self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds, "train_tokens": result.tokens,

@@ -138,6 +138,11 @@ class Trainer:
         self.selected: dict | None = None  # which step the run ended at, and why
         self.flops_per_step: float | None = None  # counted after training (count_flops)
         self.stopped_at: int | None = None  # a budgeted run stopped at its deadline before its planned last step
+        # a budgeted run's clock: when its budget began in this process (perf_counter), and the budget
+        # seconds earlier processes spent up to the checkpoint this one resumed from
+        self.budget_clock: float | None = None
+        self.budget_seconds_before: float = 0.0
+        self.resumed_from: int | None = None
         self.set_total(total_steps)
 
     def set_total(self, total: int) -> None:
@@ -194,12 +199,21 @@ class Trainer:
         state = {"step": self.step, "total_steps": self.total, "fingerprint": self.fingerprint,
                  "trainable": trainable, "optimizer": optimizer, "best": best,
                  "history": self.history, "seconds": self.seconds, "eval_every": self.eval_every,
+                 "budget_seconds": self.budget_seconds_used(),
                  "rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         save_torch(path, state, "checkpoint")
         for old in sorted(self.ckpt_dir.glob("step-*.pt"))[:-2]:  # keep the two newest
             old.unlink(missing_ok=True)
         return path
+
+    def budget_seconds_used(self) -> float | None:
+        """A budgeted run's seconds so far, over every process that trained it: what the
+        processes before a resume spent up to their checkpoint, plus this process's since its
+        budget began (None: no budget clock)."""
+        if self.budget_clock is None:
+            return None
+        return self.budget_seconds_before + time.perf_counter() - self.budget_clock
 
     def resume(self) -> bool:
         """Load the newest checkpoint if there is one; returns whether it did."""
@@ -218,6 +232,7 @@ class Trainer:
         sharding.load_optimizer_state(self.opt, state["optimizer"])
         self.step, self.history, self.seconds = state["step"], state["history"], state["seconds"]
         self.eval_every = state.get("eval_every", self.eval_every)
+        self.budget_seconds_before, self.resumed_from = float(state.get("budget_seconds") or 0.0), self.step
         self.last_val_ppl = next((h["val_ppl"] for h in reversed(self.history) if h.get("val_ppl") is not None),
                                  None)
         best = state.get("best")
