@@ -25,7 +25,9 @@ import tempfile
 from pathlib import Path
 
 PEAK_BF16 = {  # dense bf16 tensor-core FLOP/s (no sparsity), by device-name fragment
-    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12,  # HBM3: the SXM board (PCIe's is HBM2e) "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 756e12,
+    # "H100 80GB HBM3" is the SXM board (the PCIe card's memory is HBM2e)
+    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12,
+    "H100": 756e12,
     "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12, "RTX 4090": 165e12,
     "RTX 3090": 71e12,
 }

@@ -107,3 +107,17 @@ def test_feature_bench_reports_both_precisions(tmp_path):
     for k in ("inputs", "targets"):
         err = out[f"bf16_relative_error_{k}"]
         assert 0 < err["median"] <= err["p99"] < 0.1, (k, err)
+
+
+def test_the_gpu_check_knows_each_board_by_its_name():
+    """The GPU check's share of peak rests on the board's name: the H100 SXM reports itself as
+    "H100 80GB HBM3" (no "SXM"), the PCIe card as "H100 PCIe"; an unknown board has no peak."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.peak_flops("NVIDIA H100 80GB HBM3") == gpu_check.peak_flops("NVIDIA H200") == 989e12
+    assert gpu_check.peak_flops("NVIDIA H100 PCIe") == 756e12 and gpu_check.peak_flops("NVIDIA H100 NVL") == 835e12
+    assert gpu_check.peak_flops("NVIDIA L40S") == 362e12 and gpu_check.peak_flops("Some Future GPU") is None
