@@ -163,10 +163,11 @@ def test_duration_grid_reports_the_spread_over_seeds(assets, tmp_path):
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert sorted((r["seed"], r["budget"], r["budget_seconds"]) for r in rows) == [(0, "6s", 6.0), (1, "6s", 6.0)]
     for r in rows:
-        m = json.loads((tmp_path / "grid" / "cells" / r["cell"].split("/")[-1] / "metrics.json").read_text())
+        folder = tmp_path / "grid" / "cells" / r["cell"].split("/")[-1]
+        m = json.loads((folder / "metrics.json").read_text())
         tb = m["time_budget"]  # the planned steps, or fewer where the deadline passed first
         assert tb["seconds"] == 6.0 and m["train_steps"] == (tb["stopped_at_step"] or tb["steps"]) >= 1
-        folder = tmp_path / "grid" / "cells" / r["cell"].split("/")[-1]
+        # a finished cell keeps its model and drops its checkpoints (only a resume reads them)
         assert (folder / "model" / "config.json").is_file() and not (folder / "checkpoints").exists()
     text = (out / "results.md").read_text()
     assert "wall-clock budget 6s" in text and "Over seeds: overrep" in text and "(n=2" in text
