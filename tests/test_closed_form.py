@@ -268,13 +268,28 @@ def test_the_blocker_agrees_with_the_fold_check(dtype):
 @pytest.mark.parametrize("teacher", ["model", "stream"])
 def test_auto_warm_start_warms_overrep_where_the_fit_applies(assets, tmp_path, teacher):
     p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__warm_start="auto", recovery__closed_rows=8,
-                          cache__teacher=teacher, **FAST), progress=False)
+                          cache__teacher=teacher, prune__remove="2-3", **FAST), progress=False)
     p.load(create_output=False)
-    assert p.metrics["warm_start"] == {"setting": "auto", "used": "replaceme", "preset": "hybrid-linear"}
+    assert p.metrics["warm_start"] == {"setting": "auto", "used": "replaceme", "preset": "hybrid-linear",
+                                       "block1_init": "retained", "blocks": 3}
     assert (p.rcfg.warm_start, p.rcfg.preset, p.rcfg.warmup_steps) == ("replaceme", "hybrid-linear", 20)
+    # the warm start's own layout: block 1 retained (no stitch), three blocks for the one run
+    assert [(g.module_layers, g.stitch) for g in p.plan.groups] == [([1, 4, 5], {})]
     p.prune()
     run = build_recovery(p.method_inputs(), p.method)
     assert run.prepared["warm_start"]["kind"] == "lstsq" and run.preset.name == "hybrid-linear"
+
+
+def test_auto_warm_start_keeps_a_layout_the_user_set_and_cold_runs_keep_the_stitched_two(assets, tmp_path):
+    warm = Pipeline(tiny_cfg(assets, tmp_path / "w", recovery__warm_start="auto", recovery__closed_rows=8,
+                             recovery__blocks=2, prune__remove="2-3", **FAST), progress=False)
+    warm.load(create_output=False)
+    assert [(g.module_layers, g.stitch) for g in warm.plan.groups] == [([1, 4], {})]
+    cold = Pipeline(tiny_cfg(assets, tmp_path / "c", recovery__warm_start="none", prune__remove="2-3", **FAST),
+                    progress=False)
+    cold.load(create_output=False)
+    assert [(g.module_layers, g.stitch) for g in cold.plan.groups] == [([1, 4], {1: 3})]
+    assert cold.metrics["warm_start"] == {"setting": "none", "used": "none"}
 
 
 def test_auto_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_path):

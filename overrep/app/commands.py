@@ -89,8 +89,8 @@ def cmd_inspect(args) -> int:
                           "param_fraction_removed_head_counted": m["param_fraction_removed_head_counted"],
                           "trainable_params": p.recovery.trainable_params, "total_steps": p.total_steps}, indent=2))
         return 0
-    preset = r.preset_name
-    acc = recovery_account(p.dense.config, p.selection.removed, preset, blocks=r.blocks_per_run,
+    r = p.rcfg  # as the run trains it (the auto warm start's layout resolved)
+    acc = recovery_account(p.dense.config, p.selection.removed, r.preset_name, blocks=r.blocks_per_run,
                            block1_init=r.block1_init, final_block=r.final_block)
     acc.update(model=p.model_info["source"], method=p.method.name, criterion=cfg.prune.criterion,
                criterion_scores=p.selection.scores, total_steps=p.total_steps)
@@ -306,7 +306,8 @@ def cmd_methods(args) -> int:
     auto = ", ".join(n for n, m in METHODS.items() if m.auto_warm_start)
     print(f"before a method starts: recovery.compensate {' | '.join(COMPENSATE)} (prunecomp: Prune&Comp's scale at "
           f"each gap, folded exactly); recovery.warm_start {' | '.join(WARM_STARTS)} ({layerwise}) | {AUTO} "
-          f"(replaceme for {auto} where the fit applies, else none)")
+          f"(replaceme for {auto} where the fit applies, else none; overrep then trains hybrid-linear, block 1 "
+          "retained, three blocks for a one-run mask)")
     print("pruning criteria (prune.criterion):")
     for name, c in CRITERIA.items():
         print(f"  {name:16s} {c.description}")

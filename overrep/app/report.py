@@ -68,8 +68,10 @@ def _warm_start_line(w: dict | None) -> list[str]:
     if w["used"] == "none":
         why = f"`recovery.warm_start: auto` did not apply ({w['why']})" if w.get("why") else "`recovery.warm_start: none`"
         return [f"- started cold: {why}"]
+    layout = (f"; trained as `{w['preset']}`, block 1 {w['block1_init']}, {w['blocks']} block(s) a module"
+              if "block1_init" in w else "")
     return [f"- started from ReplaceMe's closed-form map, folded into the block before each gap "
-            f"(`recovery.warm_start: {w['setting']}`)"]
+            f"(`recovery.warm_start: {w['setting']}`){layout}"]
 
 
 def _selection_line(sel: dict | None) -> list[str]:

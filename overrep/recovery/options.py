@@ -22,11 +22,11 @@ from .sharding import check_shard
 class TrainingOptions:
     method: str = "overrep"  # a name in overrep.recovery.methods.METHODS (`overrep methods` lists them)
     preset: str = "hybrid"  # overrep / overrep-kd: built-in preset name (see `overrep presets`) or a preset .yaml file
-    blocks: int | str = "auto"  # recovery blocks per removed run (block before it + blocks after it); "auto": 2 for a mask of one run, 1 for several separate runs (each measured better there: docs/results-former-protocol.md)
+    blocks: int | str = "auto"  # recovery blocks per removed run (block before it + blocks after it); "auto": 2 for a mask of one run (3 from the auto warm start), 1 for several separate runs (each measured better there: docs/results-former-protocol.md, docs/results.md)
     # a module may extend into the model's final block and end at the final norm's output (the paper's
     # layout on its mask); off: it stops before the final block (better per wall-clock: docs/results-former-protocol.md)
     final_block: bool = False
-    block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained"
+    block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained" (what the auto warm start trains, whatever this says)
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)
     time_budget: str | None = "12m"  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from ...errors import OverRepError
+from ...model.surgery import AUTO_BLOCKS, contiguous_runs
 from ..closed_form import FitOptions, check_tokens, fit_and_fold, fold_blocker
 from ..compensation import prunecomp
 from ..teacher import MethodInputs
@@ -46,6 +47,14 @@ AUTO_WARM_START = "replaceme"
 #: loses the closed form's head start (2.5 min: validation 120 linear against 144 annealed,
 #: docs/closed-forms.md)
 WARM_PRESETS = {"hybrid": "hybrid-linear"}
+#: the module layout ``auto``'s warm start trains where the method lets the preset be chosen
+#: (OverRep): block 1 is the retained block the fit folds into (ReplaceMe's own layout), and a
+#: mask of one removed run gets three recovery blocks where ``recovery.blocks`` is ``auto``.
+#: Chosen on validation by a fixed-step sweep whose step counts match the 2-core CPU's cost of
+#: each layout (three seeds each): 78.9 against 81.3 for the stitched two-block module
+#: (docs/results.md, "The warm start's own layout")
+WARM_BLOCK1 = "retained"
+WARM_BLOCKS_ONE_RUN = 3
 
 
 @dataclass
@@ -53,7 +62,7 @@ class ClosedFormOptions:
     """The ``recovery`` keys of the closed forms (docs/closed-forms.md)."""
 
     compensate: str = "none"  # any method but the layer-wise ones: "prunecomp" scales the stream before each gap by mean|X_after|/mean|X_before| (Prune&Comp, folded exactly) before the method starts | "none"
-    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear) and plain where the fit applies, else none (metrics.json says why) | overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none": a cold start
+    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear, block 1 retained, three blocks for a one-run mask where blocks is auto) and plain where the fit applies, else none (metrics.json says why) | overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none": a cold start
     closed_rows: int = 64  # training rows the closed forms are fitted on (streamed; never validation or test rows)
     closed_tokens: str = "skip-first"  # tokens the fit counts: "all" (the published fit) or a +-joined subset of skip-first | sinks (RMS > 10x the row's median: attention sinks) | rms (each row divided by the target's RMS); chosen on validation rows, docs/closed-forms.md
     closed_ridge: float = 1e-4  # least squares: ridge, relative to the mean diagonal of M^T M (the published fit: 0)
@@ -102,13 +111,17 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
     else:
         blocker = fold_blocker(model, removed, probe)
         used, why = ("none", f"ReplaceMe's map does not apply: {blocker}") if blocker else (AUTO_WARM_START, None)
-    # the preset it trains: a method that forces its own (Plain's `plain`) keeps it
-    preset = WARM_PRESETS.get(r.preset, r.preset) if used != "none" and method.preset is None else r.preset
     if why and method.auto_warm_start:
         log.warning("recovery.warm_start auto: starting cold (%s)", why)
-    return dataclasses.replace(r, warm_start=used, preset=preset), {"setting": AUTO, "used": used,
-                                                                     "preset": method.preset or preset,
-                                                                     **({"why": why} if why else {})}
+    record = {"setting": AUTO, "used": used, "preset": method.preset or r.preset, **({"why": why} if why else {})}
+    if used == "none" or method.preset is not None:  # cold, or a method that forces its own preset (Plain's)
+        return dataclasses.replace(r, warm_start=used), record
+    # the recipe measured for the warm start: its preset, block 1 retained, three blocks for one run
+    blocks = WARM_BLOCKS_ONE_RUN if r.blocks == AUTO_BLOCKS and len(contiguous_runs(removed)) == 1 else r.blocks
+    warm = dataclasses.replace(r, warm_start=used, preset=WARM_PRESETS.get(r.preset, r.preset),
+                               block1_init=WARM_BLOCK1, blocks=blocks)
+    record.update(preset=warm.preset, block1_init=WARM_BLOCK1, blocks=blocks)
+    return warm, record
 
 
 def prepare(inputs: MethodInputs, method: Method) -> dict:
