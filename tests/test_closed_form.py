@@ -290,6 +290,13 @@ def test_auto_warm_start_keeps_a_layout_the_user_set_and_cold_runs_keep_the_stit
     cold.load(create_output=False)
     assert [(g.module_layers, g.stitch) for g in cold.plan.groups] == [([1, 4], {1: 3})]
     assert cold.metrics["warm_start"] == {"setting": "none", "used": "none"}
+    # a mask of several runs (where the layout was not measured) keeps its own: stitched, one block a run
+    runs = Pipeline(tiny_cfg(assets, tmp_path / "r", recovery__warm_start="auto", recovery__closed_rows=8,
+                             prune__remove="1,3", **FAST), progress=False)
+    runs.load(create_output=False)
+    assert runs.metrics["warm_start"]["used"] == "replaceme"
+    assert (runs.metrics["warm_start"]["block1_init"], runs.metrics["warm_start"]["blocks"]) == ("stitched", 1)
+    assert [(g.module_layers, g.stitch) for g in runs.plan.groups] == [([0], {0: 1}), ([2], {2: 3})]
 
 
 def test_auto_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_path):

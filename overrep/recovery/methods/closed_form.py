@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from ...errors import OverRepError
-from ...model.surgery import AUTO_BLOCKS, contiguous_runs
+from ...model.surgery import AUTO_BLOCKS, contiguous_runs, resolve_blocks
 from ..closed_form import FitOptions, check_tokens, fit_and_fold, fold_blocker
 from ..compensation import prunecomp
 from ..teacher import MethodInputs
@@ -47,9 +47,10 @@ AUTO_WARM_START = "replaceme"
 #: loses the closed form's head start (2.5 min: validation 120 linear against 144 annealed,
 #: docs/closed-forms.md)
 WARM_PRESETS = {"hybrid": "hybrid-linear"}
-#: the module layout ``auto``'s warm start trains where the method lets the preset be chosen
-#: (OverRep): block 1 is the retained block the fit folds into (ReplaceMe's own layout), and a
-#: mask of one removed run gets three recovery blocks where ``recovery.blocks`` is ``auto``.
+#: the module layout ``auto``'s warm start trains on a mask of one removed run where the method
+#: lets the preset be chosen (OverRep): block 1 is the retained block the fit folds into
+#: (ReplaceMe's own layout), and three recovery blocks where ``recovery.blocks`` is ``auto``
+#: (a mask of several runs keeps its layout: not measured there).
 #: Chosen on validation by a fixed-step sweep whose step counts match the 2-core CPU's cost of
 #: each layout (three seeds each): 78.9 against 81.3 for the stitched two-block module
 #: (docs/results.md, "The warm start's own layout")
@@ -62,7 +63,7 @@ class ClosedFormOptions:
     """The ``recovery`` keys of the closed forms (docs/closed-forms.md)."""
 
     compensate: str = "none"  # any method but the layer-wise ones: "prunecomp" scales the stream before each gap by mean|X_after|/mean|X_before| (Prune&Comp, folded exactly) before the method starts | "none"
-    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear, block 1 retained, three blocks for a one-run mask where blocks is auto) and plain where the fit applies, else none (metrics.json says why) | overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none": a cold start
+    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear; on a one-run mask block 1 retained and, where blocks is auto, three blocks) and plain where the fit applies, else none (metrics.json says why) | overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none": a cold start
     closed_rows: int = 64  # training rows the closed forms are fitted on (streamed; never validation or test rows)
     closed_tokens: str = "skip-first"  # tokens the fit counts: "all" (the published fit) or a +-joined subset of skip-first | sinks (RMS > 10x the row's median: attention sinks) | rms (each row divided by the target's RMS); chosen on validation rows, docs/closed-forms.md
     closed_ridge: float = 1e-4  # least squares: ridge, relative to the mean diagonal of M^T M (the published fit: 0)
@@ -116,11 +117,14 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
     record = {"setting": AUTO, "used": used, "preset": method.preset or r.preset, **({"why": why} if why else {})}
     if used == "none" or method.preset is not None:  # cold, or a method that forces its own preset (Plain's)
         return dataclasses.replace(r, warm_start=used), record
-    # the recipe measured for the warm start: its preset, block 1 retained, three blocks for one run
-    blocks = WARM_BLOCKS_ONE_RUN if r.blocks == AUTO_BLOCKS and len(contiguous_runs(removed)) == 1 else r.blocks
+    # the recipe measured for the warm start: its preset and, on a mask of one removed run (where
+    # the layout was measured), block 1 retained and three blocks; several runs keep their layout
+    one_run = len(contiguous_runs(removed)) == 1
+    block1 = WARM_BLOCK1 if one_run else r.block1_init
+    blocks = WARM_BLOCKS_ONE_RUN if one_run and r.blocks == AUTO_BLOCKS else r.blocks
     warm = dataclasses.replace(r, warm_start=used, preset=WARM_PRESETS.get(r.preset, r.preset),
-                               block1_init=WARM_BLOCK1, blocks=blocks)
-    record.update(preset=warm.preset, block1_init=WARM_BLOCK1, blocks=blocks)
+                               block1_init=block1, blocks=blocks)
+    record.update(preset=warm.preset, block1_init=block1, blocks=resolve_blocks(blocks, removed))
     return warm, record
 
 
