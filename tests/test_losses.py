@@ -128,7 +128,8 @@ def test_each_loss_runs_through_the_cli(assets, tmp_path, loss, remove):
 
 def test_logit_refuses_a_module_inside_the_network(assets, tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
-    tiny_cfg(assets, tmp_path / "run", recovery__steps=2).save(cfg)
+    # two blocks: the module [1, 4] ends inside the network (three would reach the final norm)
+    tiny_cfg(assets, tmp_path / "run", recovery__steps=2, recovery__blocks=2).save(cfg)
     assert main(["run", "--config", str(cfg), "--quiet", "--remove", "2-3", "--loss", "logit"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert any("needs a module that ends at the final norm" in line for line in err)
