@@ -280,7 +280,7 @@ def test_auto_warm_start_warms_overrep_where_the_fit_applies(assets, tmp_path, t
     assert run.prepared["warm_start"]["kind"] == "lstsq" and run.preset.name == "hybrid-linear"
 
 
-def test_auto_warm_start_keeps_a_layout_the_user_set_and_cold_runs_keep_the_stitched_two(assets, tmp_path):
+def test_auto_warm_start_keeps_the_blocks_the_user_set_and_cold_runs_keep_the_stitched_two(assets, tmp_path):
     warm = Pipeline(tiny_cfg(assets, tmp_path / "w", recovery__warm_start="auto", recovery__closed_rows=8,
                              recovery__blocks=2, prune__remove="2-3", **FAST), progress=False)
     warm.load(create_output=False)
