@@ -299,6 +299,23 @@ def test_auto_warm_start_keeps_the_blocks_the_user_set_and_cold_runs_keep_the_st
     assert [(g.module_layers, g.stitch) for g in runs.plan.groups] == [([0], {0: 1}), ([2], {2: 3})]
 
 
+def test_auto_warm_start_keeps_the_layout_configured_where_the_run_leaves_no_room_for_three_blocks(assets, tmp_path):
+    # one block after the run (the final one), as on the paper's mask: the module cannot reach
+    # three blocks, and there retained block 1 measured worse than the stitched one
+    p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__warm_start="auto", recovery__closed_rows=8,
+                          prune__remove="3-4", **FAST), progress=False)
+    p.load(create_output=False)
+    w = p.metrics["warm_start"]
+    assert (w["used"], w["preset"], w["block1_init"], w["blocks"]) == ("replaceme", "hybrid-linear", "stitched", 2)
+    assert "no room for 3 recovery blocks" in w["layout_why"]
+    assert [(g.module_layers, g.stitch) for g in p.plan.groups] == [([2, 5], {2: 4})]
+    # without the final block in reach, a run two blocks from the end has no room either
+    q = Pipeline(tiny_cfg(assets, tmp_path / "b", recovery__warm_start="auto", recovery__closed_rows=8,
+                          recovery__final_block=False, prune__remove="2-3", **FAST), progress=False)
+    q.load(create_output=False)
+    assert q.metrics["warm_start"]["block1_init"] == "stitched"
+
+
 def test_auto_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_path):
     p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__method="plain", recovery__warm_start="auto",
                           recovery__closed_rows=8, **FAST), progress=False)

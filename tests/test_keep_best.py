@@ -91,6 +91,19 @@ def test_off_or_best_at_the_end_keeps_the_last_step(assets, tmp_path, scripted):
     assert on.selected["step"] == on.selected["last_step"] == 4
 
 
+def test_a_last_step_left_unvalidated_is_not_given_an_earlier_steps_score(assets, tmp_path, monkeypatch, scripted):
+    # a budgeted run leaves out a validation that would end past its deadline: the last step
+    # then has no score of its own, and the record must not lend it the last one taken
+    scripted["script"] = {1: 9.0, 2: 4.0, 3: 6.0}
+    monkeypatch.setattr(Trainer, "room_to_validate", lambda self: self.step != self.total)
+    trainer = _trained(tiny_cfg(assets, tmp_path / "u", recovery__method="plain", recovery__steps=4,
+                                recovery__eval_every=1))
+    assert trainer.selected == {"step": 4, "val_ppl": None, "last_step": 4, "last_val_ppl": None,
+                                "validated_step": 3, "validated_ppl": 6.0}
+    from overrep.app.report import _selection_line
+    assert "not validated" in _selection_line(trainer.selected)[0] and "step 3" in _selection_line(trainer.selected)[0]
+
+
 def test_the_choice_survives_a_kill_and_resume(assets, tmp_path, monkeypatch, scripted):
     scripted["script"] = {2: 9.0, 4: 4.0, 6: 6.0, 8: 7.0}  # best at 4, killed at 7 (last checkpoint 6)
     kw = dict(recovery__method="plain", recovery__eval_every=2, eval__latency=False)

@@ -22,15 +22,30 @@ def test_normed_loss_ignores_per_token_scale_except_through_lambda():
     g = torch.Generator().manual_seed(0)
     pred, target = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
     gain = torch.rand(16, generator=g) + 0.5
-    scale = torch.rand(2, 5, 1, generator=g) * 10 + 0.1
-    same = losses.normed_loss(pred, target, gain, lam=0.0)
-    assert torch.allclose(losses.normed_loss(pred, target * scale, gain, lam=0.0), same, rtol=1e-5)
+    scale = torch.rand(2, 5, 1, generator=g) * 3 + 0.5  # under 10x the median: no token is an attention sink
+    same = losses.normed_loss(pred, target, gain, 0.0, 0.1)
+    assert torch.allclose(losses.normed_loss(pred, target * scale, gain, 0.0, 0.1), same, rtol=1e-5)
     # with lambda the magnitude term (and only it) sees the scale
     lam = 0.3
     mag = (pred.pow(2).mean(-1).sqrt().log() - (target * scale).pow(2).mean(-1).sqrt().log()).pow(2).mean()
-    assert torch.allclose(losses.normed_loss(pred, target * scale, gain, lam), same + lam * mag, rtol=1e-5)
+    assert torch.allclose(losses.normed_loss(pred, target * scale, gain, lam, 0.1), same + lam * mag, rtol=1e-5)
     # raw MSE is not scale-invariant (what the normed loss is for)
     assert not torch.allclose(F.mse_loss(pred, target * scale), F.mse_loss(pred, target))
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.1])
+def test_normed_loss_weighs_the_attention_sinks_apart_from_the_other_tokens(weight):
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(2, 64, 16, generator=g)
+    target[:, 0] *= 100  # a massive activation on each row's first token (an attention sink)
+    turned = target.clone()
+    turned[:, 0] = -target[:, 0]  # the sinks turned away (their size right), every other token exact
+    # the sinks' mean counts with its weight, not as 1/64 of a plain mean over the tokens:
+    # opposite unit-RMS vectors differ by 4 per channel
+    assert torch.isclose(losses.normed_loss(turned, target, torch.ones(16), 0.1, weight), torch.tensor(4.0 * weight))
+    off = target.clone()
+    off[:, 1:] = -target[:, 1:]  # now the ordinary tokens are turned and the sinks exact
+    assert torch.isclose(losses.normed_loss(off, target, torch.ones(16), 0.1, weight), torch.tensor(4.0))
 
 
 def test_norm_gain_reads_the_norm_weight():

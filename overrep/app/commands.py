@@ -307,7 +307,7 @@ def cmd_methods(args) -> int:
     print(f"before a method starts: recovery.compensate {' | '.join(COMPENSATE)} (prunecomp: Prune&Comp's scale at "
           f"each gap, folded exactly); recovery.warm_start {' | '.join(WARM_STARTS)} ({layerwise}) | {AUTO} "
           f"(replaceme for {auto} where the fit applies, else none; overrep then trains hybrid-linear and, on a "
-          "one-run mask, block 1 retained with three blocks)")
+          "mask of one run with two blocks after it, block 1 retained with three blocks)")
     print("pruning criteria (prune.criterion):")
     for name, c in CRITERIA.items():
         print(f"  {name:16s} {c.description}")

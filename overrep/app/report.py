@@ -77,6 +77,10 @@ def _warm_start_line(w: dict | None) -> list[str]:
 def _selection_line(sel: dict | None) -> list[str]:
     if not sel:
         return []
+    if sel["step"] == sel["last_step"] and sel.get("val_ppl") is None:
+        return [f"- the last step was not validated (no room before the deadline); the last validation, at step "
+                f"{sel.get('validated_step')}, scored {_fmt(sel.get('validated_ppl'))} (the report's validation "
+                "column scores the model exported)"]
     if sel["step"] == sel["last_step"]:
         return [f"- validation perplexity {_fmt(sel['val_ppl'])} at the last step (the best foldable one)"]
     return [f"- kept step {sel['step']} (validation perplexity {_fmt(sel['val_ppl'])}), not the last step "

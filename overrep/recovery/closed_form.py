@@ -48,6 +48,12 @@ from ..model.surgery import PrunePlan, contiguous_runs
 
 #: a token whose residual RMS is this many times the row's median is an attention sink
 SINK_FACTOR = 10.0
+
+
+def sink_mask(rms: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: the tokens whose residual RMS (``rms``: ``[B, T]``) is over ``SINK_FACTOR``
+    times their row's median -- the attention sinks that carry a model's massive activations."""
+    return rms > SINK_FACTOR * rms.median(dim=1, keepdim=True).values
 #: the token selections and weightings ``tokens`` may combine with "+" ("all" alone: every token, weight 1)
 TOKEN_PARTS = ("all", "skip-first", "sinks", "rms")
 
@@ -84,7 +90,7 @@ def token_weights(target: torch.Tensor, spec: str) -> torch.Tensor:
     if "skip-first" in parts:
         w[:, 0] = 0
     if "sinks" in parts:
-        w[rms > SINK_FACTOR * rms.median(dim=1, keepdim=True).values] = 0
+        w[sink_mask(rms)] = 0
     if "rms" in parts:
         w = w / rms.clamp_min(1e-12).pow(2)
     return w

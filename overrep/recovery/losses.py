@@ -12,7 +12,9 @@ entry at the end of this file.
 * ``normed`` -- the comparison the next block actually sees: both states RMS-normalised,
   weighted per channel by the downstream norm's gain γ (the input norm of the dense
   block the target feeds, or the final norm), plus ``λ·(log rms ĥ − log rms h)²`` to keep
-  the magnitude later blocks rely on. For a module that owns the final norm the target is
+  the magnitude later blocks rely on; the attention sinks (tokens carrying massive
+  activations) are averaged apart and weighed by ``recovery.loss_sinks``. For a module that owns
+  the final norm the target is
   already ``γ ⊙ x / rms(x)``, so ``normed`` is the MSE on that output.
 * ``fisher`` -- MSE weighted per channel by the dense model's diagonal Fisher
   ``E[(∂CE/∂h)²]`` at the module's output point (a second-order estimate of the loss
@@ -47,6 +49,7 @@ from ..registry import Registry
 from ..core.precision import autocast
 from ..model.arch import decoder_layers, final_norm, input_norm
 from ..model.placement import execution_device, input_device
+from .closed_form import sink_mask
 
 def parse_loss(spec: str) -> list[str]:
     """``"normed>kl-topk"`` -> ``["normed", "kl-topk"]``; one-line error on an unknown name."""
@@ -64,6 +67,7 @@ class LossOptions:
 
     loss: str = "normed"  # overrep / plain / streamline: layer-wise loss, mse (the paper's) | normed | fisher | logit | kl-topk, or A>B (see `overrep methods`; docs/losses.md)
     loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term
+    loss_sinks: float = 0.1  # normed: weight of the attention sinks' mean loss beside the other tokens' mean (a plain mean: about 1/255; without it a module can turn a massive activation away and break the model: docs/losses.md)
     loss_switch: float = 0.5  # A>B losses: fraction of the steps after which B replaces A
     loss_topk: int = 64  # kl-topk: teacher log-probabilities cached per token
     loss_topk_rest: bool = True  # kl-topk: add one bucket for all tokens outside the top-K (else renormalise on it)
@@ -71,9 +75,9 @@ class LossOptions:
 
     def check_loss(self) -> None:
         parse_loss(self.loss)
-        if (self.loss_lambda < 0 or not 0 <= self.loss_switch <= 1 or self.loss_topk < 1
+        if (self.loss_lambda < 0 or self.loss_sinks < 0 or not 0 <= self.loss_switch <= 1 or self.loss_topk < 1
                 or self.fisher_sequences < 1):
-            raise OverRepError("recovery.loss_lambda must be >= 0, loss_switch in [0, 1], loss_topk and "
+            raise OverRepError("recovery.loss_lambda and loss_sinks must be >= 0, loss_switch in [0, 1], loss_topk and "
                                "fisher_sequences >= 1")
 
 
@@ -239,14 +243,26 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
     return x.pow(2).mean(-1, keepdim=True).add(1e-12).sqrt()
 
 
-def normed_loss(pred: torch.Tensor, target: torch.Tensor, gain: torch.Tensor, lam: float) -> torch.Tensor:
-    """mean_{t,c} (γ̃_c (ĥ/rms ĥ − h/rms h)_c)² + λ mean_t (log rms ĥ − log rms h)², with γ̃ = γ / rms(γ)
-    (so the first term is on the scale of an MSE between unit-RMS vectors)."""
+def normed_loss(pred: torch.Tensor, target: torch.Tensor, gain: torch.Tensor, lam: float,
+                sink_weight: float) -> torch.Tensor:
+    """Per token ``ℓ_t = mean_c (γ̃_c (ĥ/rms ĥ − h/rms h)_c)² + λ (log rms ĥ − log rms h)²``, with
+    γ̃ = γ / rms(γ) (so the first term is on the scale of an MSE between unit-RMS vectors);
+    the loss is the mean of ℓ_t over the ordinary tokens plus ``sink_weight`` times its mean
+    over the attention sinks (:func:`~overrep.recovery.closed_form.sink_mask` on the target:
+    tokens carrying massive activations; a plain mean is ``sink_weight`` = sinks / others).
+
+    With a plain mean the one sink of a 256-token row weighed 1/256: a module could turn a
+    massive activation's direction away (cosine -0.31 to the dense one, its size right) at a
+    cost the loss hardly saw, and every later attention, which reads the sink, broke (test
+    perplexity 4,074 against 511 unrecovered, SmolLM2 in fp32; docs/losses.md, "Attention
+    sinks")."""
     rp, rt = _rms(pred), _rms(target)
     g = gain / _rms(gain)
-    direction = ((pred / rp - target / rt) * g).pow(2).mean()
-    magnitude = (rp.log() - rt.log()).pow(2).mean()
-    return direction + lam * magnitude
+    per_token = ((pred / rp - target / rt) * g).pow(2).mean(-1) + lam * (rp.log() - rt.log()).pow(2)[..., 0]
+    sinks = sink_mask(rt[..., 0].detach())
+    if not sinks.any():
+        return per_token.mean()
+    return per_token[~sinks].mean() + sink_weight * per_token[sinks].mean()
 
 
 def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -328,7 +344,7 @@ def _mse(pred, feats, aux, options):
 def _normed(pred, feats, aux, options):
     if "gain" not in aux:  # the module owns the final norm: its output is already γ ⊙ x / rms(x)
         return _mse(pred, feats, aux, options)
-    return normed_loss(pred.float(), _target(pred, feats), aux["gain"], options.loss_lambda)
+    return normed_loss(pred.float(), _target(pred, feats), aux["gain"], options.loss_lambda, options.loss_sinks)
 
 
 def _normed_prepare(setup: LossSetup) -> list[dict]:

@@ -26,7 +26,7 @@ class TrainingOptions:
     # a module may extend into the model's final block and end at the final norm's output (the paper's
     # layout on its mask); off: it stops before the final block (better per wall-clock: docs/results-former-protocol.md)
     final_block: bool = False
-    block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained" (what the auto warm start trains on a one-run mask, whatever this says)
+    block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained" (what the auto warm start trains on a mask of one run with two blocks after it, whatever this says)
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)
     time_budget: str | None = "12m"  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)

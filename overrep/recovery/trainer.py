@@ -134,6 +134,7 @@ class Trainer:
         self.deadline: Deadline | None = None  # a budgeted run: re-fit the step count once it has timed itself
         self.refit: dict | None = None  # what that re-fit measured and changed
         self.last_val_ppl: float | None = None
+        self.last_val_step: int | None = None  # the step last_val_ppl scored
         self.best: dict | None = None  # recovery.keep_best: the best foldable weights so far (step, val_ppl, tensors)
         self.selected: dict | None = None  # which step the run ended at, and why
         self.flops_per_step: float | None = None  # counted after training (count_flops)
@@ -233,8 +234,8 @@ class Trainer:
         self.step, self.history, self.seconds = state["step"], state["history"], state["seconds"]
         self.eval_every = state.get("eval_every", self.eval_every)
         self.budget_seconds_before, self.resumed_from = float(state.get("budget_seconds") or 0.0), self.step
-        self.last_val_ppl = next((h["val_ppl"] for h in reversed(self.history) if h.get("val_ppl") is not None),
-                                 None)
+        scored = next((h for h in reversed(self.history) if h.get("val_ppl") is not None), None)
+        self.last_val_ppl, self.last_val_step = (scored["val_ppl"], scored["step"]) if scored else (None, None)
         best = state.get("best")
         if best is not None:
             params = self.objective.parameters()
@@ -343,7 +344,7 @@ class Trainer:
                         self.step % self.eval_every == 0 or self.step == self.total) and self.room_to_validate():
                     rec["val_loss"] = obj.validation_loss()
                     rec["val_ppl"] = obj.validation_ppl()
-                    self.last_val_ppl = rec["val_ppl"]
+                    self.last_val_ppl, self.last_val_step = rec["val_ppl"], self.step
                     self.note_best(rec["val_ppl"])
                 self.history.append(rec)
                 bar.update(1)
@@ -425,11 +426,15 @@ class Trainer:
 
     def restore_best(self) -> None:
         """End at the best foldable step when it beats the last one (``selected`` says which)."""
-        best, last = self.best, self.last_val_ppl
+        best = self.best
+        # the last step's own score, or None where it was not validated (no room before the deadline)
+        last = self.last_val_ppl if self.last_val_step == self.step else None
         if best is None:
             return
         if best["step"] == self.step or last is None or not best["val_ppl"] < last:
             self.selected = {"step": self.step, "val_ppl": last, "last_step": self.step, "last_val_ppl": last}
+            if last is None:  # kept unvalidated: say which validated step was the last
+                self.selected.update(validated_step=self.last_val_step, validated_ppl=self.last_val_ppl)
             return
         for p, t in zip(self.objective.parameters(), best["tensors"]):
             sharding.copy_from_host(p, t)

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from ...errors import OverRepError
+from ...model.arch import decoder_layers
 from ...model.surgery import AUTO_BLOCKS, contiguous_runs, resolve_blocks
 from ..closed_form import FitOptions, check_tokens, fit_and_fold, fold_blocker
 from ..compensation import prunecomp
@@ -47,15 +48,33 @@ AUTO_WARM_START = "replaceme"
 #: loses the closed form's head start (2.5 min: validation 120 linear against 144 annealed,
 #: docs/closed-forms.md)
 WARM_PRESETS = {"hybrid": "hybrid-linear"}
-#: the module layout ``auto``'s warm start trains on a mask of one removed run where the method
-#: lets the preset be chosen (OverRep): block 1 is the retained block the fit folds into
-#: (ReplaceMe's own layout), and three recovery blocks where ``recovery.blocks`` is ``auto``
-#: (a mask of several runs keeps its layout: not measured there).
-#: Chosen on validation by a fixed-step sweep whose step counts match the 2-core CPU's cost of
-#: each layout (three seeds each): 78.9 against 81.3 for the stitched two-block module
-#: (docs/results.md, "The warm start's own layout")
+#: the module layout ``auto``'s warm start trains where the method lets the preset be chosen
+#: (OverRep) and the mask removes one run with room for it (:func:`warm_layout_fits`): block 1
+#: is the retained block the fit folds into (ReplaceMe's own layout), and three recovery blocks
+#: where ``recovery.blocks`` is ``auto``. Chosen on validation by fixed-step sweeps whose step
+#: counts match the 2-core CPU's cost of each layout (three seeds each, docs/results.md, "The
+#: warm start's own layout"): the cosine mask at 25%, 78.9 against 81.3 for the stitched
+#: two-block module; the cosine mask at 50%, 199 against 428.
 WARM_BLOCK1 = "retained"
 WARM_BLOCKS_ONE_RUN = 3
+
+
+def warm_layout_fits(num_layers: int, removed: list[int], final_block: bool) -> str | None:
+    """Why the warm start's own layout does not apply to ``removed`` (None: it does). It needs a
+    mask of one removed run (several runs keep their layout: not measured) followed by two
+    blocks that a module may take (the final block only where ``recovery.final_block``), so
+    that the module reaches its three blocks. On the paper's mask (run 18-28 of 30: one block
+    after it) the module stays two blocks and retained block 1 lost to the stitched one:
+    validation 142.4 against 128.1, three seeds (docs/results.md)."""
+    runs = contiguous_runs(removed)
+    if len(runs) != 1:
+        return f"the mask removes {len(runs)} separate runs"
+    last = runs[0][1]
+    after = [i for i in range(last + 1, num_layers) if final_block or i != num_layers - 1]
+    if len(after) < WARM_BLOCKS_ONE_RUN - 1:
+        return (f"{len(after)} block(s) after the removed run leave no room for {WARM_BLOCKS_ONE_RUN} "
+                "recovery blocks")
+    return None
 
 
 @dataclass
@@ -63,7 +82,7 @@ class ClosedFormOptions:
     """The ``recovery`` keys of the closed forms (docs/closed-forms.md)."""
 
     compensate: str = "none"  # any method but the layer-wise ones: "prunecomp" scales the stream before each gap by mean|X_after|/mean|X_before| (Prune&Comp, folded exactly) before the method starts | "none"
-    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear; on a one-run mask block 1 retained and, where blocks is auto, three blocks) and plain where the fit applies, else none (metrics.json says why) | overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none": a cold start
+    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear; on a one-run mask with two blocks after the run, block 1 retained and, where blocks is auto, three blocks) and plain where the fit applies, else none (metrics.json says why) | overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none": a cold start
     closed_rows: int = 64  # training rows the closed forms are fitted on (streamed; never validation or test rows)
     closed_tokens: str = "skip-first"  # tokens the fit counts: "all" (the published fit) or a +-joined subset of skip-first | sinks (RMS > 10x the row's median: attention sinks) | rms (each row divided by the target's RMS); chosen on validation rows, docs/closed-forms.md
     closed_ridge: float = 1e-4  # least squares: ridge, relative to the mean diagonal of M^T M (the published fit: 0)
@@ -117,14 +136,15 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
     record = {"setting": AUTO, "used": used, "preset": method.preset or r.preset, **({"why": why} if why else {})}
     if used == "none" or method.preset is not None:  # cold, or a method that forces its own preset (Plain's)
         return dataclasses.replace(r, warm_start=used), record
-    # the recipe measured for the warm start: its preset and, on a mask of one removed run (where
-    # the layout was measured), block 1 retained and three blocks; several runs keep their layout
-    one_run = len(contiguous_runs(removed)) == 1
-    block1 = WARM_BLOCK1 if one_run else r.block1_init
-    blocks = WARM_BLOCKS_ONE_RUN if one_run and r.blocks == AUTO_BLOCKS else r.blocks
+    # the recipe measured for the warm start: its preset and, where the mask leaves it room,
+    # block 1 retained and three blocks; elsewhere the layout configured
+    unfit = warm_layout_fits(len(decoder_layers(model)), removed, r.final_block)
+    block1 = r.block1_init if unfit else WARM_BLOCK1
+    blocks = WARM_BLOCKS_ONE_RUN if not unfit and r.blocks == AUTO_BLOCKS else r.blocks
     warm = dataclasses.replace(r, warm_start=used, preset=WARM_PRESETS.get(r.preset, r.preset),
                                block1_init=block1, blocks=blocks)
-    record.update(preset=warm.preset, block1_init=block1, blocks=resolve_blocks(blocks, removed))
+    record.update(preset=warm.preset, block1_init=block1, blocks=resolve_blocks(blocks, removed),
+                  **({"layout_why": f"the layout configured: {unfit}"} if unfit else {}))
     return warm, record
 
 
