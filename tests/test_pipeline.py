@@ -42,6 +42,22 @@ def test_run_end_to_end(assets, tmp_path):
     assert "| lambada |" in (out / "report.md").read_text()
     assert RunConfig.load(out / "config.yaml").to_dict() == tiny_cfg(assets, out).to_dict()
     assert len((out / "train_log.jsonl").read_text().splitlines()) == 8
+    check = saved["recovery_check"]  # recovered against no recovery, on validation
+    assert check["split"] == "validation" and check["worse_than_unrecovered"] == (check["recovered"] > check["unrecovered"])
+
+
+def test_a_recovery_worse_than_none_is_said_loudly(caplog):
+    from overrep.app.report import _check_lines, recovery_check
+
+    # the figures of a real failure (docs/losses.md, "Attention sinks")
+    m = {"recovered_perplexity": {"validation": {"value": 3799.5}, "test": {"value": 4073.5}},
+         "pruned_perplexity": {"validation": {"value": 491.9}, "test": {"value": 510.4}}}
+    check = recovery_check(m)
+    assert check == {"split": "validation", "recovered": 3799.5, "unrecovered": 491.9, "worse_than_unrecovered": True}
+    assert "recovery failed" in caplog.text and "The recovery failed" in _check_lines(check)[0]
+    m["recovered_perplexity"]["validation"]["value"] = 77.5
+    assert not recovery_check(m)["worse_than_unrecovered"] and _check_lines(recovery_check(m)) == []
+    assert recovery_check({}) == {}
 
 
 def _weights(out: Path) -> dict:

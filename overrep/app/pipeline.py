@@ -435,14 +435,14 @@ class Pipeline:
             return self.metrics
         self.evaluate_model(self.pruned, "recovered")
         self.export()
+        from .report import recovery_check, write_report
         self.metrics.update({
             "preset": getattr(self.recovery, "preset", None) and self.recovery.preset.name,
             "model": self.model_info["source"], "peak_memory_bytes": peak_memory_bytes(self.device),
             "data": {k: v for k, v in self.data_info.items() if not isinstance(v, (list, dict))},
             "timings_seconds": self.timings, "total_seconds": time.perf_counter() - t_start,
-            "environment": environment(self.device),
+            "environment": environment(self.device), "recovery_check": recovery_check(self.metrics),
         })
-        from .report import write_report
         write_report(self.out, self.metrics, self.history, self.cfg)
         write_json(self.out / "metrics.json", self.metrics, "the metrics")  # last: marks the run finished
         return self.metrics

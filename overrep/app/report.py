@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import matplotlib
@@ -12,6 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ..atomic import make_dirs, write_file, write_text  # noqa: E402
 from .runinfo import describe  # noqa: E402
 from ..eval.intervals import format_interval  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 
 LOSS_NAMES = {"mse": "layer-wise MSE", "lm": "cross-entropy", "kd": "KL to dense logits"}
@@ -129,6 +132,31 @@ def _generation_table(m: dict) -> list[str]:
     return lines + ["", "distinct-n: share of distinct n-grams in each continuation (1: no repetition).", ""]
 
 
+def recovery_check(m: dict) -> dict:
+    """Whether the recovered model is worse than the pruned model without recovery, on
+    validation (test where a run has no validation rows): such a run still exports its model,
+    and ``metrics.json``, the report and the log say loudly that the recovery failed, instead of
+    letting it pass for a success. Empty where either figure is missing."""
+    for split in ("validation", "test"):
+        rec, base = _fig(m, "recovered", split), _fig(m, "pruned", split)
+        if rec and base and rec.get("value") is not None and base.get("value") is not None:
+            worse = bool(rec["value"] > base["value"])
+            if worse:
+                log.warning("the recovery failed: the recovered model's %s perplexity %.4g is worse than the "
+                            "pruned model's without recovery (%.4g)", split, rec["value"], base["value"])
+            return {"split": split, "recovered": rec["value"], "unrecovered": base["value"],
+                    "worse_than_unrecovered": worse}
+    return {}
+
+
+def _check_lines(check: dict | None) -> list[str]:
+    if not check or not check.get("worse_than_unrecovered"):
+        return []
+    return [f"**The recovery failed: the recovered model is worse than no recovery** ({check['split']} perplexity "
+            f"{_fmt(check['recovered'])} against {_fmt(check['unrecovered'])}). The model folder holds it as "
+            "trained; do not use it (docs/losses.md, \"Attention sinks\", describes one such failure).", ""]
+
+
 def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
     plots = out / "plots"
     make_dirs(plots)
@@ -160,7 +188,7 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
           f"{format_interval(_fig(m, tag, 'test_vs_dense', 'ratio'), 3)} "
           f"| {_fmt(c)} | {l} | {_fmt(None if t is None else 1000 * t, 3)} |"
           for (n, p, c, l, t), tag in zip(rows, ("dense", "pruned", "recovered"))],
-        "",
+        "", *_check_lines(m.get("recovery_check")),
         f"Test text: {cfg.data.heldout_sequences} sequences of {cfg.data.seq_len} tokens from `{cfg.data.source}` "
         f"({_fmt((m.get('data') or {}).get('test_tokens'))} tokens); validation: {cfg.data.validation_sequences} "
         "sequences; train, validation and test share no document, and nothing that trains or chooses reads "
