@@ -54,6 +54,8 @@ def sink_mask(rms: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` bool: the tokens whose residual RMS (``rms``: ``[B, T]``) is over ``SINK_FACTOR``
     times their row's median -- the attention sinks that carry a model's massive activations."""
     return rms > SINK_FACTOR * rms.median(dim=1, keepdim=True).values
+
+
 #: the token selections and weightings ``tokens`` may combine with "+" ("all" alone: every token, weight 1)
 TOKEN_PARTS = ("all", "skip-first", "sinks", "rms")
 

@@ -13,9 +13,9 @@ entry at the end of this file.
   weighted per channel by the downstream norm's gain γ (the input norm of the dense
   block the target feeds, or the final norm), plus ``λ·(log rms ĥ − log rms h)²`` to keep
   the magnitude later blocks rely on; the attention sinks (tokens carrying massive
-  activations) are averaged apart and weighed by ``recovery.loss_sinks``. For a module that owns
-  the final norm the target is
-  already ``γ ⊙ x / rms(x)``, so ``normed`` is the MSE on that output.
+  activations) are averaged apart and weighed by ``recovery.loss_sinks``. For a module that
+  owns the final norm the target is already ``γ ⊙ x / rms(x)``, so ``normed`` is the MSE on
+  that output.
 * ``fisher`` -- MSE weighted per channel by the dense model's diagonal Fisher
   ``E[(∂CE/∂h)²]`` at the module's output point (a second-order estimate of the loss
   change, in the spirit of BRECQ), estimated once on calibration rows and cached.

@@ -133,8 +133,7 @@ class Trainer:
         self.seconds = 0.0
         self.deadline: Deadline | None = None  # a budgeted run: re-fit the step count once it has timed itself
         self.refit: dict | None = None  # what that re-fit measured and changed
-        self.last_val_ppl: float | None = None
-        self.last_val_step: int | None = None  # the step last_val_ppl scored
+        self.last_scored: dict | None = None  # the last history record with a val_ppl
         self.best: dict | None = None  # recovery.keep_best: the best foldable weights so far (step, val_ppl, tensors)
         self.selected: dict | None = None  # which step the run ended at, and why
         self.flops_per_step: float | None = None  # counted after training (count_flops)
@@ -234,8 +233,7 @@ class Trainer:
         self.step, self.history, self.seconds = state["step"], state["history"], state["seconds"]
         self.eval_every = state.get("eval_every", self.eval_every)
         self.budget_seconds_before, self.resumed_from = float(state.get("budget_seconds") or 0.0), self.step
-        scored = next((h for h in reversed(self.history) if h.get("val_ppl") is not None), None)
-        self.last_val_ppl, self.last_val_step = (scored["val_ppl"], scored["step"]) if scored else (None, None)
+        self.last_scored = next((h for h in reversed(self.history) if h.get("val_ppl") is not None), None)
         best = state.get("best")
         if best is not None:
             params = self.objective.parameters()
@@ -344,13 +342,13 @@ class Trainer:
                         self.step % self.eval_every == 0 or self.step == self.total) and self.room_to_validate():
                     rec["val_loss"] = obj.validation_loss()
                     rec["val_ppl"] = obj.validation_ppl()
-                    self.last_val_ppl, self.last_val_step = rec["val_ppl"], self.step
+                    self.last_scored = rec if rec["val_ppl"] is not None else self.last_scored
                     self.note_best(rec["val_ppl"])
                 self.history.append(rec)
                 bar.update(1)
                 post = {"loss": f"{total:.4g}", "alpha": f"{rec['alpha']:.2f}", "lr": f"{rec['lr']:.2g}"}
-                if self.last_val_ppl is not None:
-                    post["val_ppl"] = f"{self.last_val_ppl:.4g}"
+                if self.last_scored is not None:
+                    post["val_ppl"] = f"{self.last_scored['val_ppl']:.4g}"
                 bar.set_postfix(**post)
                 if self.step % cfg.checkpoint_every == 0 or self.step == self.total:
                     self.save_checkpoint()
@@ -426,15 +424,15 @@ class Trainer:
 
     def restore_best(self) -> None:
         """End at the best foldable step when it beats the last one (``selected`` says which)."""
-        best = self.best
+        best, scored = self.best, self.last_scored
         # the last step's own score, or None where it was not validated (no room before the deadline)
-        last = self.last_val_ppl if self.last_val_step == self.step else None
+        last = scored["val_ppl"] if scored is not None and scored["step"] == self.step else None
         if best is None:
             return
         if best["step"] == self.step or last is None or not best["val_ppl"] < last:
             self.selected = {"step": self.step, "val_ppl": last, "last_step": self.step, "last_val_ppl": last}
             if last is None:  # kept unvalidated: say which validated step was the last
-                self.selected.update(validated_step=self.last_val_step, validated_ppl=self.last_val_ppl)
+                self.selected.update(validated_step=scored["step"], validated_ppl=scored["val_ppl"])
             return
         for p, t in zip(self.objective.parameters(), best["tensors"]):
             sharding.copy_from_host(p, t)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ...errors import OverRepError
 from ...model.arch import decoder_layers
-from ...model.surgery import AUTO_BLOCKS, contiguous_runs, resolve_blocks
+from ...model.surgery import AUTO_BLOCKS, contiguous_runs, plan_pruning, resolve_blocks
 from ..closed_form import FitOptions, check_tokens, fit_and_fold, fold_blocker
 from ..compensation import prunecomp
 from ..teacher import MethodInputs
@@ -69,10 +69,11 @@ def warm_layout_fits(num_layers: int, removed: list[int], final_block: bool) -> 
     runs = contiguous_runs(removed)
     if len(runs) != 1:
         return f"the mask removes {len(runs)} separate runs"
-    last = runs[0][1]
-    after = [i for i in range(last + 1, num_layers) if final_block or i != num_layers - 1]
-    if len(after) < WARM_BLOCKS_ONE_RUN - 1:
-        return (f"{len(after)} block(s) after the removed run leave no room for {WARM_BLOCKS_ONE_RUN} "
+    # the module the layout would plan, laid out as the run will lay it out
+    layers = plan_pruning(num_layers, removed, blocks=WARM_BLOCKS_ONE_RUN, block1_init=WARM_BLOCK1,
+                          final_block=final_block).groups[0].module_layers
+    if len(layers) < WARM_BLOCKS_ONE_RUN:
+        return (f"{len(layers) - 1} block(s) after the removed run leave no room for {WARM_BLOCKS_ONE_RUN} "
                 "recovery blocks")
     return None
 
