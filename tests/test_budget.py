@@ -132,13 +132,14 @@ def test_more_passes_buy_more_steps_on_fewer_rows():
 
 def test_a_short_budget_caches_only_the_rows_it_trains_on(assets, tmp_path, monkeypatch):
     """Layer-wise method, disk cache: the probe fixes steps and rows together, and the cache
-    holds exactly ``steps x batch`` rows (each seen once) when that is less than the data."""
+    holds exactly ``steps x batch`` rows when each is planned to be seen once
+    (``recovery.budget_passes: 1``) and that is less than the data."""
     from overrep.recovery.trainer import Trainer
 
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(5.0, 0.0, 0.0))  # a slow step
     out = tmp_path / "short"
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="20s")
+                   recovery__time_budget="20s", recovery__budget_passes=1)
     m = Pipeline(cfg, progress=False).run()
     tb = m["time_budget"]
     assert 1 <= tb["steps"] <= 3 and tb["rows"] == 4 * tb["steps"] < 24
@@ -165,7 +166,7 @@ def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, mon
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 4)  # the same plan, however fast this machine is
     monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 1)  # and the re-fit keeps it
     kw = dict(eval__perplexity=False, eval__latency=False, recovery__steps=None, recovery__time_budget="20s",
-              recovery__checkpoint_every=1)
+              recovery__checkpoint_every=1, recovery__budget_passes=1)  # one pass: 16 of the 24 rows
     ref = Pipeline(tiny_cfg(assets, tmp_path / "ref", **kw), progress=False).run()
     steps, rows = ref["time_budget"]["steps"], ref["time_budget"]["rows"]
     assert (steps, rows) == (4, 16)

@@ -24,10 +24,10 @@ rows and a few steps on those rows' features (``cache.mode: probe``), then fix t
 count *and* the number of training rows to cache together (``StepCosts.row``: building
 one row's features; a run needs ``steps x batch`` rows, at most the data it has), and only
 then build the cache. Short budgets cache fewer rows and see each ``recovery.budget_passes``
-times (default once); long ones cache all the data and go over it several times. Where a
-row's features cost more than its share of a step (a short budget, a deep mask), more
-passes over fewer rows buy more steps for the same seconds; whether those steps are worth
-more than fresh rows is measured in docs/results-former-protocol.md.
+times (default 6); long ones cache all the data and go over it more often. Where a row's
+features cost more than its share of a step (a short budget, a deep mask, fp32 on a CPU),
+more passes over fewer rows buy more steps for the same seconds; whether those steps are
+worth more than fresh rows is measured in docs/results.md ("Rows against steps").
 """
 
 from __future__ import annotations
