@@ -30,7 +30,7 @@ class TrainingOptions:
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)
     time_budget: str | None = "12m"  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
-    budget_passes: float = 6.0  # time budget, methods on cached features: passes over each cached row the step count is planned for (at most data.train_sequences rows: a long budget caches them all and passes more often); fewer rows seen more often buy steps where features are dear: 6 (was 1) measured better on validation in fp32 (docs/results.md, "Rows against steps")
+    budget_passes: float = 6.0  # time budget, methods on cached features: passes over each cached row the step count is planned for (at most data.train_sequences rows: a long budget caches them all and passes more often); fewer rows seen more often buy steps where features are dear: 6 (was 1) measured better on validation at 2.5 minutes in bf16 and in fixed-step fp32 cells, level in budgeted fp32 runs (docs/results.md, "Rows against steps")
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
     lr: float | None = None  # peak learning rate (AdamW); None = the method's default (`overrep methods` lists them)
