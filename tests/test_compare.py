@@ -278,3 +278,13 @@ def test_per_domain_ratios_leave_the_unseen_corpora_out():
          "dense_ppl_domains": {"wiki": 20.0, "ptb": 160.0, "lambada": 60.0}}
     assert _domain_ratios(m, unseen={"lambada"}) == {"wiki": 1.5, "ptb": 0.5}
     assert _domain_ratios({}, unseen=set()) == {}
+
+
+def test_the_unrecovered_figure_names_its_methods_where_the_pruned_models_differ():
+    from overrep.app.compare_report import _pruned
+
+    same = [{"method": "overrep", "pruned_ppl": 677.4}, {"method": "plain", "pruned_ppl": 677.4}]
+    assert _pruned(same) == "677"
+    mixed = same + [{"method": "overrep-warm", "pruned_ppl": 510.9}, {"method": "overrep-warm", "pruned_ppl": 510.9}]
+    assert _pruned(mixed) == "677 (overrep, plain); 511 (overrep-warm) (the recovery layouts differ)"
+    assert _pruned([{"method": "replaceme"}]) == "–"

@@ -82,6 +82,19 @@ def _domains(r: dict) -> str:
     return " / ".join(f"{v:.2f}" for v in ratios.values()) or "–"
 
 
+def _pruned(rows: list[dict]) -> str:
+    """The unrecovered perplexity of a plan's cells; where their pruned models differ (a
+    warm start that keeps the block before the gap as it is, where the others stitch it),
+    each figure with the methods it belongs to."""
+    by: dict[str, set[str]] = {}
+    for r in rows:
+        if r.get("pruned_ppl") is not None:
+            by.setdefault(fmt_ppl(r["pruned_ppl"]), set()).add(r["method"])
+    if len(by) <= 1:
+        return next(iter(by), "–")
+    return "; ".join(f"{v} ({', '.join(sorted(ms))})" for v, ms in by.items()) + " (the recovery layouts differ)"
+
+
 def _domain_names(rows: list[dict]) -> str:
     return " / ".join(next((r["domain_ratios"] for r in rows if r.get("domain_ratios")), {})) or "per domain"
 
@@ -128,8 +141,7 @@ def markdown(results: dict) -> str:
         ok = [r for r in rows if r.get("status") == "ok"]
         removed = ok[0]["removed_layers"] if ok else "?"
         lines += [f"## {criterion}, ratio {ratio:g}, {what}", "",
-                  f"Removed blocks: {removed}. Pruned without recovery: perplexity "
-                  f"{fmt_ppl(ok[0]['pruned_ppl']) if ok else '–'}"
+                  f"Removed blocks: {removed}. Pruned without recovery: perplexity {_pruned(ok)}"
                   + (f", reasoning RP {_rp(results['pruned'][f'{criterion}-{ratio:g}'])}"
                      if results.get("pruned", {}).get(f"{criterion}-{ratio:g}") else "") + ".", "",
                   "| method | seed | test ppl [95%] | × dense [95%] | × dense: " + _domain_names(ok) + " | val ppl "
@@ -215,15 +227,23 @@ def plot_perplexity(results: dict, path: Path) -> None:
     groups = _groups(results)
     if not groups:
         return
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
+    dense = results.get("dense", {}).get("ppl")
     for ax, (criterion, ratio, budget, rows) in zip(axes[0], groups):
-        ok = sorted([r for r in rows if r.get("status") == "ok"], key=lambda r: r["ppl"])
-        colors = ["tab:red" if r["method"].startswith("overrep") else "tab:blue" for r in ok]
-        ax.barh([r["method"] for r in ok], [r["ppl"] for r in ok], color=colors)
+        # one bar per method: the mean over its seeds, the whisker their range
+        seeds = sorted(_by_method([r for r in rows if r.get("status") == "ok"]).items(),
+                       key=lambda kv: statistics.mean(kv[1]))
+        means = [statistics.mean(p) for _, p in seeds]
+        ax.barh([f"{m} (n={len(p)})" if len(p) > 1 else m for m, p in seeds], means,
+                xerr=[[y - min(p) for y, (_, p) in zip(means, seeds)], [max(p) - y for y, (_, p) in zip(means, seeds)]],
+                color=["tab:red" if m.startswith("overrep") else "tab:blue" for m, _ in seeds], capsize=2)
         ax.set_xscale("log")
         ax.invert_yaxis()
         ax.set_title(f"{criterion} {ratio:g}, {budget}", fontsize=10)
-        ax.set_xlabel("held-out perplexity (log)")
+        if dense:
+            ax.axvline(dense, color="k", linestyle=":", label=f"dense {fmt_ppl(dense)}")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_xlabel("test perplexity, log (mean over seeds; range)")
         ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "a plot")
