@@ -316,12 +316,12 @@ def test_auto_warm_start_keeps_the_layout_configured_where_the_run_leaves_no_roo
     assert q.metrics["warm_start"]["block1_init"] == "stitched"
 
 
-def test_auto_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_path):
-    p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__method="plain", recovery__warm_start="auto",
+def test_an_explicit_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_path):
+    p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__method="plain", recovery__warm_start="replaceme",
                           recovery__closed_rows=8, **FAST), progress=False)
     p.load(create_output=False)
-    assert p.metrics["warm_start"] == {"setting": "auto", "used": "replaceme", "preset": "plain"}
-    assert (p.rcfg.warm_start, p.rcfg.warmup_steps) == ("replaceme", 20)
+    assert p.metrics["warm_start"] == {"setting": "replaceme", "used": "replaceme"}
+    assert p.rcfg.warm_start == "replaceme"
     p.prune()
     run = build_recovery(p.method_inputs(), p.method)
     assert run.prepared["warm_start"]["kind"] == "lstsq" and run.preset.name == "plain"
@@ -329,6 +329,7 @@ def test_auto_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_path):
 
 @pytest.mark.parametrize("over, words", [
     (dict(recovery__method="streamline"), "not measured to gain"),  # auto warms the methods measured to gain
+    (dict(recovery__method="plain"), "not measured to gain"),  # worse from the map at 5 minutes on three seeds
     (dict(recovery__method="lora"), "warm the layer-wise methods"),
     (dict(prune__remove="0-1"), "block 0"),
     (dict(prune__granularity="width", prune__remove=None, prune__ratio=0.25), "widths"),

@@ -184,6 +184,18 @@ def test_embedded_model_loads(embedded):
 
 
 @pytest.mark.slow
+def test_embedded_special_tokens_follow_the_gguf(embedded):
+    _, tokenizer, info, _ = embedded
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (1, 2, 2)
+    # a conversion that misread them (transformers 5.17 gave eos id 1) is put right from the file's metadata
+    wrong = AutoTokenizer.from_pretrained(info["source"], local_files_only=True)
+    wrong.eos_token = "<|im_start|>"
+    assert wrong.eos_token_id == 1
+    models._gguf_special_tokens(models.embedded_gguf_path(), wrong)
+    assert (wrong.eos_token, wrong.eos_token_id, wrong.bos_token_id) == ("<|im_end|>", 2, 1)
+
+
+@pytest.mark.slow
 def test_embedded_second_load_uses_the_cache(embedded):
     model, tokenizer, _, _ = embedded
     again, tokenizer2, info = models.load_model("embedded")

@@ -171,7 +171,26 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str,
     except (OSError, ValueError, KeyError) as error:
         raise OverRepError(f"cannot load GGUF file '{path}': {_first_line(error)}") from error
     _strip_quantization(model)
+    _gguf_special_tokens(path, tokenizer)
     return model, tokenizer
+
+
+def _gguf_special_tokens(path: pathlib.Path, tokenizer) -> None:
+    """Give the tokenizer the bos / eos / pad ids the GGUF's own metadata names.
+
+    transformers' GGUF tokenizer conversion has not always read them the same way (5.17 gave
+    the embedded model's tokenizer eos id 1, ``<|im_start|>``, where the file and 5.24 say 2),
+    and the eos id separates the documents packed into every row: another id, other rows.
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            token = tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0]))
+            if token is not None and getattr(tokenizer, f"{role}_token") != token:
+                setattr(tokenizer, f"{role}_token", token)
 
 
 def _load_folder(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str, placement: dict | None = None):
@@ -195,8 +214,9 @@ def _load_folder(path: pathlib.Path, dtype: torch.dtype, attn_implementation: st
 
 
 def _gguf_signature(path: pathlib.Path) -> dict:
-    """Identifies a GGUF file cheaply (name and size), to tell whether a conversion is stale."""
-    return {"gguf_file": path.name, "gguf_bytes": path.stat().st_size}
+    """Identifies a GGUF file cheaply (name and size), to tell whether a conversion is stale; ``conversion``
+    counts changes to the conversion itself (2: the special tokens from the GGUF's metadata)."""
+    return {"gguf_file": path.name, "gguf_bytes": path.stat().st_size, "conversion": 2}
 
 
 def _cached_conversion_valid(folder: pathlib.Path, gguf: pathlib.Path) -> bool:

@@ -61,7 +61,7 @@ for _m in [
     Method("overrep", "OverRep: overcomplete recovery blocks, layer-wise loss (recovery.loss), folded back exactly",
            **_LAYERWISE, width_lr=1e-4, auto_warm_start=True),
     Method("plain", "the same recovery blocks and layer-wise loss without W, D or annealing", **_LAYERWISE,
-           preset="plain", auto_warm_start=True),
+           preset="plain"),
     Method("streamline", "Streamline: one block (all weights) trained to replace the removed run", **_LAYERWISE,
            preset="plain-full", blocks=1, block_removal_only="it replaces a removed run of blocks"),
     Method("lora", "PEFT LoRA on all projections, language-model loss, merged", run=AdapterRun, **_ADAPTER),

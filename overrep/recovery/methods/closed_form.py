@@ -15,8 +15,8 @@ features and learns the gap itself, so there the scale is refused (it would not 
 function the features describe).
 
 ``recovery.warm_start: auto`` warm-starts where it is measured to help and the fit applies
-(:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep and Plain;
-Streamline gained too little from it to be warmed by default: docs/closed-forms.md), block
+(:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep; Plain and
+Streamline measured no better or worse from it over three seeds: docs/closed-forms.md), block
 pruning, and every removed run foldable (:func:`~overrep.recovery.closed_form.fold_blocker`);
 anywhere else the run starts cold and ``metrics.json`` says why.
 """
