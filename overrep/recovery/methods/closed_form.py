@@ -16,7 +16,7 @@ function the features describe).
 
 ``recovery.warm_start: auto`` warm-starts where it is measured to help and the fit applies
 (:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep; Plain and
-Streamline measured no better or worse from it over three seeds: docs/closed-forms.md), block
+Streamline measured level or worse from it over three seeds: docs/closed-forms.md), block
 pruning, and every removed run foldable (:func:`~overrep.recovery.closed_form.fold_blocker`);
 anywhere else the run starts cold and ``metrics.json`` says why.
 """
