@@ -288,3 +288,27 @@ def test_the_unrecovered_figure_names_its_methods_where_the_pruned_models_differ
     mixed = same + [{"method": "overrep-warm", "pruned_ppl": 510.9}, {"method": "overrep-warm", "pruned_ppl": 510.9}]
     assert _pruned(mixed) == "677 (overrep, plain); 511 (overrep-warm) (the recovery layouts differ)"
     assert _pruned([{"method": "replaceme"}]) == "–"
+
+
+def test_a_budget_with_nothing_trained_yet_is_one_line_not_the_closed_forms_again():
+    from overrep.app.compare_report import markdown
+
+    def cell(method, budget, status="ok", seed=0):
+        row = {"criterion": "last", "ratio": 0.25, "budget": budget, "method": method, "seed": seed, "status": status}
+        if status == "ok":
+            row.update(ppl=100.0 if budget != "0s" else 300.0, trainable_params=1e6, steps=10,
+                       removed_layers=[1, 2], recovery_seconds=1.0)
+        return row
+
+    results = {"config": {"criteria": ["last"], "ratios": [0.25], "budgets": ["2.5m", "5m"], "reference": "overrep"},
+               "rows": [cell("replaceme", "0s"), cell("overrep", "2.5m"), cell("overrep", "2.5m", "not run", 1),
+                        cell("overrep", "5m", "not run"), cell("plain", "5m", "not run", 1)],
+               "dense": {}}
+    text = markdown(results)
+    short = text.split("## last, ratio 0.25, wall-clock budget 5m (features + training)")[1]
+    assert short.lstrip().startswith("Not run yet: overrep, plain (every seed); the closed forms are in this plan's")
+    assert "| replaceme |" not in short and text.count("| replaceme |") == 1
+    assert "Not run yet: overrep (seed 1)." in text  # the 2.5-minute table lists its missing seed as before
+    only_closed = dict(results, rows=[cell("replaceme", "0s"), cell("overrep", "2.5m", "not run"),
+                                      cell("overrep", "5m", "not run")])
+    assert markdown(only_closed).count("| replaceme |") == 2  # no plan trained yet: the closed forms stay in every table

@@ -46,6 +46,11 @@ def _groups(results: dict) -> list[tuple[str, float, str, list[dict]]]:
     return out
 
 
+def _trained_result(row: dict) -> bool:
+    """A cell of a method that trains and has run (finished or failed)."""
+    return row.get("budget") != FREE_BUDGET and row.get("status") != "not run"
+
+
 def _gb(v) -> str:
     return "–" if v is None else f"{v / 2**30:.2f}"
 
@@ -135,9 +140,18 @@ def markdown(results: dict) -> str:
         lines.append(f"Benchmarks: {bench.get('tasks')} at limit {bench.get('limit')} per task; RP = recovered "
                      "reasoning average / dense average x 100.")
     lines.append("")
-    for criterion, ratio, budget, rows in _groups(results):
+    groups = _groups(results)
+    trained_plans = {(c, q) for c, q, _, rows in groups if any(_trained_result(r) for r in rows)}
+    for criterion, ratio, budget, rows in groups:
         what = {"epochs": "matched epochs", "wallclock": f"matched wall-clock ({cfg['reference']}'s time)"}.get(
             budget, f"wall-clock budget {budget} (features + training)")
+        if (criterion, ratio) in trained_plans and not any(_trained_result(r) for r in rows):
+            # nothing trained at this budget yet: one line, not the plan's closed forms once more
+            waiting = sorted({r["method"] for r in rows if r.get("status") == "not run"})
+            lines += [f"## {criterion}, ratio {ratio:g}, {what}", "",
+                      f"Not run yet: {', '.join(waiting)} (every seed); the closed forms are in this plan's "
+                      "other tables.", ""]
+            continue
         ok = [r for r in rows if r.get("status") == "ok"]
         removed = ok[0]["removed_layers"] if ok else "?"
         lines += [f"## {criterion}, ratio {ratio:g}, {what}", "",
