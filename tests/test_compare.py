@@ -290,8 +290,8 @@ def test_the_unrecovered_figure_names_its_methods_where_the_pruned_models_differ
     assert _pruned([{"method": "replaceme"}]) == "–"
 
 
-def test_a_budget_with_nothing_trained_yet_is_one_line_not_the_closed_forms_again():
-    from overrep.app.compare_report import markdown
+def test_a_budget_with_nothing_trained_yet_is_one_line_not_the_closed_forms_again(tmp_path):
+    from overrep.app.compare_report import _groups, _idle, markdown, plot_perplexity
 
     def cell(method, budget, status="ok", seed=0):
         row = {"criterion": "last", "ratio": 0.25, "budget": budget, "method": method, "seed": seed, "status": status}
@@ -309,6 +309,9 @@ def test_a_budget_with_nothing_trained_yet_is_one_line_not_the_closed_forms_agai
     assert short.lstrip().startswith("Not run yet: overrep, plain (every seed); the closed forms are in this plan's")
     assert "| replaceme |" not in short and text.count("| replaceme |") == 1
     assert "Not run yet: overrep (seed 1)." in text  # the 2.5-minute table lists its missing seed as before
+    assert _idle(_groups(results)) == {("last", 0.25, "5m")}  # and the plot leaves that panel out
+    plot_perplexity(results, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
     only_closed = dict(results, rows=[cell("replaceme", "0s"), cell("overrep", "2.5m", "not run"),
                                       cell("overrep", "5m", "not run")])
     assert markdown(only_closed).count("| replaceme |") == 2  # no plan trained yet: the closed forms stay in every table

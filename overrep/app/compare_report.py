@@ -51,6 +51,15 @@ def _trained_result(row: dict) -> bool:
     return row.get("budget") != FREE_BUDGET and row.get("status") != "not run"
 
 
+def _idle(groups: list) -> set[tuple[str, float, str]]:
+    """The (criterion, ratio, budget) tables with nothing trained yet in a plan that trained at
+    another budget: a line in the page and no plot panel, since the closed forms, which every
+    table of a plan repeats, are already in its other tables."""
+    trained = {(c, q) for c, q, _, rows in groups if any(_trained_result(r) for r in rows)}
+    return {(c, q, b) for c, q, b, rows in groups
+            if (c, q) in trained and not any(_trained_result(r) for r in rows)}
+
+
 def _gb(v) -> str:
     return "–" if v is None else f"{v / 2**30:.2f}"
 
@@ -141,11 +150,11 @@ def markdown(results: dict) -> str:
                      "reasoning average / dense average x 100.")
     lines.append("")
     groups = _groups(results)
-    trained_plans = {(c, q) for c, q, _, rows in groups if any(_trained_result(r) for r in rows)}
+    idle = _idle(groups)
     for criterion, ratio, budget, rows in groups:
         what = {"epochs": "matched epochs", "wallclock": f"matched wall-clock ({cfg['reference']}'s time)"}.get(
             budget, f"wall-clock budget {budget} (features + training)")
-        if (criterion, ratio) in trained_plans and not any(_trained_result(r) for r in rows):
+        if (criterion, ratio, budget) in idle:
             # nothing trained at this budget yet: one line, not the plan's closed forms once more
             waiting = sorted({r["method"] for r in rows if r.get("status") == "not run"})
             lines += [f"## {criterion}, ratio {ratio:g}, {what}", "",
@@ -239,11 +248,17 @@ def plot_budgets(results: dict, path: Path) -> bool:
 
 def plot_perplexity(results: dict, path: Path) -> None:
     groups = _groups(results)
+    idle = _idle(groups)
+    groups = [g for g in groups if g[:3] not in idle]
     if not groups:
         return
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
+    cols = min(len(groups), 3)
+    nrows = math.ceil(len(groups) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
     dense = results.get("dense", {}).get("ppl")
-    for ax, (criterion, ratio, budget, rows) in zip(axes[0], groups):
+    for ax, (criterion, ratio, budget, rows) in zip(axes.flat, groups):
         # one bar per method: the mean over its seeds, the whisker their range
         seeds = sorted(_by_method([r for r in rows if r.get("status") == "ok"]).items(),
                        key=lambda kv: statistics.mean(kv[1]))

@@ -17,7 +17,8 @@ function the features describe).
 ``recovery.warm_start: auto`` warm-starts where it is measured to help and the fit applies
 (:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep; Plain and
 Streamline measured level or worse from it over three seeds: docs/closed-forms.md), block
-pruning, and every removed run foldable (:func:`~overrep.recovery.closed_form.fold_blocker`);
+pruning, a mask of one removed run (several runs measured worse warm: docs/results.md), and
+every removed run foldable (:func:`~overrep.recovery.closed_form.fold_blocker`);
 anywhere else the run starts cold and ``metrics.json`` says why.
 """
 
@@ -129,6 +130,12 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
                              f"{method.name} trains on its own objective; the closed forms warm the layer-wise methods")
     elif removed is None:
         used, why = "none", "the closed forms replace removed blocks, not pruned widths"
+    elif len(runs := contiguous_runs(removed)) > 1:
+        # measured: on Block Influence's mask of four runs (one map and one stitched block a run)
+        # the warm start was 7-9% worse on validation than the cold one on each of three seeds at
+        # 2.5 minutes (docs/results.md, section 2); recovery.warm_start: replaceme still warms it
+        used, why = "none", (f"the mask removes {len(runs)} separate runs, where the warm start measured worse "
+                             "(recovery.warm_start: replaceme starts it warm)")
     else:
         blocker = fold_blocker(model, removed, probe)
         used, why = ("none", f"ReplaceMe's map does not apply: {blocker}") if blocker else (AUTO_WARM_START, None)
