@@ -61,15 +61,12 @@ WARM_BLOCKS_ONE_RUN = 3
 
 
 def warm_layout_fits(num_layers: int, removed: list[int], final_block: bool) -> str | None:
-    """Why the warm start's own layout does not apply to ``removed`` (None: it does). It needs a
-    mask of one removed run (several runs keep their layout: not measured) followed by two
-    blocks that a module may take (the final block only where ``recovery.final_block``), so
-    that the module reaches its three blocks. On the paper's mask (run 18-28 of 30: one block
-    after it) the module stays two blocks and retained block 1 lost to the stitched one:
-    validation 142.4 against 128.1, three seeds (docs/results.md)."""
-    runs = contiguous_runs(removed)
-    if len(runs) != 1:
-        return f"the mask removes {len(runs)} separate runs"
+    """Why the warm start's own layout does not apply to ``removed``, a mask of one removed run
+    (None: it does; :func:`resolve_warm_start` starts a mask of several runs cold). It needs two
+    blocks after the run that a module may take (the final block only where
+    ``recovery.final_block``), so that the module reaches its three blocks. On the paper's mask
+    (run 18-28 of 30: one block after it) the module stays two blocks and retained block 1 lost
+    to the stitched one: validation 142.4 against 128.1, three seeds (docs/results.md)."""
     # the module the layout would plan, laid out as the run will lay it out
     layers = plan_pruning(num_layers, removed, blocks=WARM_BLOCKS_ONE_RUN, block1_init=WARM_BLOCK1,
                           final_block=final_block).groups[0].module_layers
