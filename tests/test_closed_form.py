@@ -208,6 +208,36 @@ def test_warm_start_starts_from_the_fitted_weights(assets, tmp_path, method):
     assert p.rcfg.warmup_steps == 20  # a warm start warms its learning rate up over 20 steps by default
 
 
+@pytest.mark.parametrize("method", ["lora-iso", "overrep-kd"])
+def test_a_method_trained_end_to_end_starts_from_the_fitted_compact_model(assets, tmp_path, method):
+    """The fair baseline of a warm start: LoRA (or any method that trains) on ReplaceMe's model."""
+    cfg = tiny_cfg(assets, tmp_path / "w", recovery__method=method, recovery__warm_start="replaceme",
+                   recovery__closed_rows=8, **FAST)
+    p = Pipeline(cfg, progress=False)
+    p.load(create_output=False)
+    assert p.metrics["warm_start"] == {"setting": "replaceme", "used": "replaceme"}
+    p.prune()
+    before = down_projection(decoder_layers(p.pruned)[2], 2).weight.detach().clone()
+    fitted = copy.deepcopy(p.pruned)
+    fit_and_fold(fitted, p.dense, p.plan, p.train_ids, fit_options(p.rcfg))
+    want = down_projection(decoder_layers(fitted)[2], 2).weight
+    run = build_recovery(p.method_inputs(), get_method(method))
+    assert run.prepared["warm_start"]["runs"][0]["block"] == 2
+    got = [m.weight for n, m in run.model.named_modules() if n.endswith("layers.2.mlp.down_proj.base_layer")
+           or (n.endswith("layers.2.mlp.down_proj") and not hasattr(m, "base_layer"))]
+    assert len(got) == 1 and torch.allclose(got[0], want, atol=1e-6) and not torch.allclose(got[0], before)
+
+
+def test_a_warm_lora_run_exports_the_merged_fitted_model(assets, tmp_path):
+    out = tmp_path / "lora-warm"
+    m = Pipeline(tiny_cfg(assets, out, recovery__method="lora-iso", recovery__warm_start="replaceme",
+                          recovery__closed_rows=8, recovery__steps=3, eval__latency=False), progress=False).run()
+    assert m["train_steps"] == 3 and m["warm_start"]["used"] == "replaceme"
+    assert m["export_reload_max_abs_diff"] < 1e-4
+    prov = json.loads((out / "model" / "overrep.json").read_text())
+    assert prov["recovery"]["warm_start"]["kind"] == "lstsq"
+
+
 @pytest.mark.parametrize("over, steps", [(dict(recovery__warm_start="none"), 0), ({}, 20),  # the default: auto, warm here
                                          (dict(recovery__warm_start="none", recovery__warmup_steps=5), 5),
                                          (dict(recovery__warm_start="replaceme", recovery__warmup_steps=0), 0)])
@@ -218,7 +248,7 @@ def test_warm_up_steps_default_to_zero_for_a_cold_start_and_can_be_set(assets, t
 
 
 @pytest.mark.parametrize("over, words", [
-    (dict(recovery__method="lora", recovery__warm_start="replaceme"), "layer-wise"),
+    (dict(recovery__method="replaceme", recovery__warm_start="replaceme"), "trains nothing"),
     (dict(recovery__compensate="prunecomp"), "unscaled"),
     (dict(recovery__closed_tokens="sinks+first"), "closed_tokens"),
     (dict(recovery__compensate="yes"), "compensate"),
@@ -336,7 +366,7 @@ def test_an_explicit_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_pat
 @pytest.mark.parametrize("over, words", [
     (dict(recovery__method="streamline"), "not measured to gain"),  # auto warms the methods measured to gain
     (dict(recovery__method="plain"), "not measured to gain"),  # worse from the map at 5 minutes on three seeds
-    (dict(recovery__method="lora"), "warm the layer-wise methods"),
+    (dict(recovery__method="lora"), "not measured to gain"),  # an explicit warm_start warms it (below)
     (dict(prune__remove="0-1"), "block 0"),
     (dict(prune__granularity="width", prune__remove=None, prune__ratio=0.25), "widths"),
 ])

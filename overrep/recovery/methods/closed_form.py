@@ -1,15 +1,17 @@
 """Training-free methods (``replaceme``, ``replaceme-cos``, ``prunecomp``) and what any method may apply to the
-pruned model before it starts: Prune&Comp's scale (``recovery.compensate``) and, for the
-layer-wise methods, a closed-form warm start (``recovery.warm_start``).
+pruned model before it starts: Prune&Comp's scale (``recovery.compensate``) and a
+closed-form warm start (``recovery.warm_start``).
 
 ``replaceme`` fits one linear map per removed run in closed form and folds it into the
 ``down_proj`` of the block before the run (:mod:`overrep.recovery.closed_form`);
 ``replaceme-cos`` fits it by Adam on the cosine distance. Neither trains the model: the
 pipeline records zero training steps and exports the compact model as it is.
 
-A warm start folds the same map into the pruned model *before* the layer-wise method wraps
-its recovery blocks, so OverRep, Plain and Streamline start from the fitted weights (block
-1 of each module is the block the map folds into). Prune&Comp's scale multiplies the
+A warm start folds the same map into the pruned model *before* the method sets up what it
+trains, so any method that trains may start from the fitted weights: OverRep, Plain and
+Streamline (block 1 of each module is the block the map folds into), and the methods trained
+end to end, LoRA among them (its adapters then train on ReplaceMe's compact model, the
+baseline a fair comparison of warm starts needs). Prune&Comp's scale multiplies the
 stream before each gap; a layer-wise module is trained on the dense model's unscaled
 features and learns the gap itself, so there the scale is refused (it would not be the
 function the features describe).
@@ -40,7 +42,7 @@ from .base import Method, MethodRun
 log = logging.getLogger(__name__)
 
 COMPENSATE = ("none", "prunecomp")
-#: closed forms a layer-wise method may start from (the fit each one is)
+#: closed forms a method that trains may start from (the fit each one is)
 WARM_STARTS = {"none": None, "replaceme": "lstsq", "replaceme-cos": "cosine"}
 #: ``recovery.warm_start: auto``: this closed form where it applies (:func:`resolve_warm_start`), else none
 AUTO = "auto"
@@ -81,7 +83,7 @@ class ClosedFormOptions:
     """The ``recovery`` keys of the closed forms (docs/closed-forms.md)."""
 
     compensate: str = "none"  # any method but the layer-wise ones: "prunecomp" scales the stream before each gap by mean|X_after|/mean|X_before| (Prune&Comp, folded exactly) before the method starts | "none"
-    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear; on a one-run mask with two blocks after the run, block 1 retained and, where blocks is auto, three blocks) and plain where the fit applies, else none (metrics.json says why) | overrep / plain / streamline: "replaceme" | "replaceme-cos" folds the closed-form map into block 1's down_proj before training | "none": a cold start
+    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear; on a one-run mask with two blocks after the run, block 1 retained and, where blocks is auto, three blocks) where the fit applies, else none (metrics.json says why) | any method that trains: "replaceme" | "replaceme-cos" folds the closed-form map into the down_proj before each removed run before training (a layer-wise module's block 1) | "none": a cold start
     closed_rows: int = 64  # training rows the closed forms are fitted on (streamed; never validation or test rows)
     closed_tokens: str = "skip-first"  # tokens the fit counts: "all" (the published fit) or a +-joined subset of skip-first | sinks (RMS > 10x the row's median: attention sinks) | rms (each row divided by the target's RMS); chosen on validation rows, docs/closed-forms.md
     closed_ridge: float = 1e-4  # least squares: ridge, relative to the mean diagonal of M^T M (the published fit: 0)
@@ -96,9 +98,9 @@ class ClosedFormOptions:
         if self.warm_start not in (*WARM_STARTS, AUTO):
             raise OverRepError(f"recovery.warm_start must be one of {', '.join(WARM_STARTS)}, {AUTO}; "
                                f"got '{self.warm_start}'")
-        if self.warm_start in WARM_STARTS and self.warm_start != "none" and method.objective != "layerwise":
-            raise OverRepError(f"recovery.warm_start starts a layer-wise method (overrep, plain, streamline) from the "
-                               f"closed form; '{method.name}' is not one (for the closed form alone: --method replaceme)")
+        if self.warm_start in WARM_STARTS and self.warm_start != "none" and not method.trains:
+            raise OverRepError(f"recovery.warm_start starts a method that trains from the closed form; '{method.name}' "
+                               "trains nothing (for the closed form alone: --method replaceme)")
         if self.compensate != "none" and method.objective == "layerwise":
             raise OverRepError(f"recovery.compensate scales the stream before each gap, but '{method.name}' learns the "
                                "gap from unscaled dense features; use it with replaceme or a method trained end to end")
@@ -123,8 +125,7 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
         return r, {"setting": r.warm_start, "used": r.warm_start}
     if not method.auto_warm_start:
         used, why = "none", (f"{method.name} is not measured to gain from it (recovery.warm_start: replaceme starts "
-                             "it warm)" if method.objective == "layerwise" else
-                             f"{method.name} trains on its own objective; the closed forms warm the layer-wise methods")
+                             "it warm)")
     elif removed is None:
         used, why = "none", "the closed forms replace removed blocks, not pruned widths"
     elif len(runs := contiguous_runs(removed)) > 1:
@@ -164,7 +165,7 @@ def prepare(inputs: MethodInputs, method: Method) -> dict:
                                      tokens=r.closed_tokens)  # (only which tokens count)
         out["prunecomp"]["seconds"] = time.perf_counter() - t0
     kind = WARM_STARTS.get(r.warm_start)
-    if kind is not None and method.objective == "layerwise":
+    if kind is not None and method.trains:
         fit = out["warm_start"] = fit_and_fold(inputs.pruned, inputs.dense, inputs.plan, ids, fit_options(r), kind)
         log.info("warm start: ReplaceMe's map (%s) fitted on %d rows and folded into block(s) %s in %.1f s", kind,
                  fit["rows"], ", ".join(str(x["block"]) for x in fit["runs"]), sum(x["seconds"] for x in fit["runs"]))
