@@ -315,3 +315,28 @@ def test_a_budget_with_nothing_trained_yet_is_one_line_not_the_closed_forms_agai
     only_closed = dict(results, rows=[cell("replaceme", "0s"), cell("overrep", "2.5m", "not run"),
                                       cell("overrep", "5m", "not run")])
     assert markdown(only_closed).count("| replaceme |") == 2  # no plan trained yet: the closed forms stay in every table
+
+
+def test_the_warm_start_summary_pairs_seeds_and_leaves_out_a_warm_cell_that_started_cold():
+    from overrep.app.compare_report import markdown
+
+    def cell(method, seed, val, test, used, budget="2.5m", criterion="last"):
+        return {"criterion": criterion, "ratio": 0.25, "budget": budget, "method": method, "seed": seed,
+                "status": "ok", "ppl": test, "val_ppl": val, "warm_start": used, "trainable_params": 1e6,
+                "steps": 10, "removed_layers": [1, 2], "recovery_seconds": 1.0}
+
+    rows = [cell("overrep", 0, 100.0, 90.0, "none"), cell("overrep-warm", 0, 80.0, 70.0, "replaceme"),
+            cell("overrep", 1, 110.0, 95.0, "none"), cell("overrep-warm", 1, 120.0, 105.0, "replaceme"),
+            cell("overrep-warm", 2, 50.0, 50.0, "replaceme"),  # no cold seed 2: not a pair
+            cell("lora-iso", 0, 60.0, 55.0, "none"),  # no warm cell: no row
+            # auto started this "-warm" cell cold (a mask of several runs): not a pair
+            cell("overrep", 0, 100.0, 90.0, "none", criterion="block-influence"),
+            cell("overrep-warm", 0, 100.0, 90.0, "none", criterion="block-influence")]
+    results = {"config": {"criteria": ["last", "block-influence"], "ratios": [0.25], "budgets": ["2.5m"],
+                          "reference": "overrep"}, "rows": rows, "dense": {}}
+    text = markdown(results).split("## The warm start against the cold one")[1].split("Columns:")[0]
+    lines = [line for line in text.splitlines() if line.startswith("| last")]
+    assert lines == ["| last 0.25 | 2.5m | overrep | 0, 1 | 105 → 100 | -5% | 1 of 2 | 92.5 → 87.5 |"]
+    assert "block-influence" not in text and "lora-iso" not in text
+    cold_only = dict(results, rows=[r for r in rows if r["criterion"] == "block-influence"])
+    assert "## The warm start against the cold one" not in markdown(cold_only)

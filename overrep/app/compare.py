@@ -400,6 +400,7 @@ def _protocol_figures(m: dict) -> dict:
             "train_flops": m.get("train_flops"), "feature_flops": m.get("feature_flops"),
             "lambada_last_word": (gen.get("lambada_last_word") or {}).get("value"),
             "distinct_2": gen.get("distinct_2"),
+            "warm_start": (m.get("warm_start") or {}).get("used"),  # what the run started from (auto decides)
             "closed_form_seconds": _fit_seconds(m.get("closed_form") or {})}
 
 

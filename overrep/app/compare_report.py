@@ -192,6 +192,7 @@ def markdown(results: dict) -> str:
                 f"{fmt_ppl(min(p))}–{fmt_ppl(max(p))})" for m, p in sorted(spread, key=lambda x: statistics.mean(x[1])))
                       + " (mean ± sample standard deviation, range)."]
         lines.append("")
+    lines += warm_against_cold(groups)
     lines += ["Columns: test perplexity of the exported compact model with its 95% bootstrap interval over "
               "documents; × dense: the paired ratio to the dense model on the same rows, and the ratio on each test domain (the "
               "pooled ratio is their geometric mean; below 1, the method overtook the dense model on that "
@@ -203,6 +204,47 @@ def markdown(results: dict) -> str:
               "counted by torch's FlopCounterMode, x 3 for the backward, x steps) plus the dense forward passes that "
               "built the features.", ""]
     return "\n".join(lines)
+
+
+#: a grid variant started from the closed form is named after its cold method with this suffix
+WARM_SUFFIX = "-warm"
+
+
+def _started(row: dict, warm: bool) -> bool:
+    """The cell started as its name says (a cell from before runs recorded it: trusted)."""
+    used = row.get("warm_start")
+    return used is None or (used != "none") == warm
+
+
+def warm_against_cold(groups: list) -> list[str]:
+    """Each method run both cold and warm (``X`` and ``X-warm``) on the same seeds of a table:
+    mean validation and test perplexity of each, and on how many seeds the warm start was the
+    better on validation (what a choice reads); lines of markdown, none where no pair ran. A
+    ``-warm`` cell that started cold (``warm_start: auto`` decided so) is not a pair."""
+    table = []
+    for criterion, ratio, budget, rows in groups:
+        ok = {(r["method"], r.get("seed", 0)): r for r in rows if r.get("status") == "ok" and r.get("val_ppl")}
+        for warm in sorted({m for m, _ in ok if m.endswith(WARM_SUFFIX)}):
+            cold = warm[:-len(WARM_SUFFIX)]
+            seeds = sorted(s for m, s in ok if m == warm and (cold, s) in ok and _started(ok[(warm, s)], True)
+                           and _started(ok[(cold, s)], False))
+            if not seeds:
+                continue
+            pair = [(ok[(cold, s)], ok[(warm, s)]) for s in seeds]
+            val = [statistics.mean(x[k]["val_ppl"] for x in pair) for k in (0, 1)]
+            test = [statistics.mean(x[k]["ppl"] for x in pair) for k in (0, 1)]
+            wins = sum(w["val_ppl"] < c["val_ppl"] for c, w in pair)
+            table.append(f"| {criterion} {ratio:g} | {budget} | {cold} | {', '.join(map(str, seeds))} | "
+                         f"{fmt_ppl(val[0])} → {fmt_ppl(val[1])} | {100 * (val[1] / val[0] - 1):+.0f}% | "
+                         f"{wins} of {len(seeds)} | {fmt_ppl(test[0])} → {fmt_ppl(test[1])} |")
+    if not table:
+        return []
+    return ["## The warm start against the cold one", "",
+            "Each method the grid ran both cold and from the closed form (`X` and `X-warm`), on the seeds both "
+            "ran: mean perplexity over those seeds, cold → warm; the change and the seeds on which the warm start "
+            "was better are read on validation, which is what a choice of start may read.", "",
+            "| plan | budget | method | seeds | validation, cold → warm | change | warm better (validation) "
+            "| test, cold → warm |", "|---|---|---|---|---:|---:|---:|---:|", *table, ""]
 
 
 def _by_method(rows: list[dict]) -> dict[str, list[float]]:
