@@ -378,6 +378,13 @@ def test_auto_warm_start_starts_cold_and_says_why_elsewhere(assets, tmp_path, ov
     assert p.rcfg.warm_start == "none" and p.rcfg.warmup_steps == 0 and p.rcfg.preset == p.cfg.recovery.preset
 
 
+def test_an_explicit_warm_start_with_width_pruning_is_one_clear_error(assets, tmp_path):
+    p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__warm_start="replaceme", prune__granularity="width",
+                          prune__remove=None, prune__ratio=0.25, **FAST), progress=False)
+    with pytest.raises(OverRepError, match="width pruning removes none"):
+        p.load(create_output=False)
+
+
 def test_an_explicit_warm_start_keeps_the_preset_it_is_given(assets, tmp_path):
     p = Pipeline(tiny_cfg(assets, tmp_path / "e", recovery__warm_start="replaceme", **FAST), progress=False)
     p.load(create_output=False)

@@ -122,6 +122,9 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
     ``model``: the dense model; ``removed``: its removed blocks (None: width pruning);
     ``probe``: a training row or two for :func:`~overrep.recovery.closed_form.fold_blocker`."""
     if r.warm_start != AUTO:
+        if r.warm_start != "none" and removed is None:  # (prepare would fold nothing and say it had)
+            raise OverRepError(f"recovery.warm_start: {r.warm_start} folds a map over each removed run of blocks; "
+                               "width pruning removes none (use recovery.warm_start: none or auto)")
         return r, {"setting": r.warm_start, "used": r.warm_start}
     if not method.auto_warm_start:
         used, why = "none", (f"{method.name} is not measured to gain from it (recovery.warm_start: replaceme starts "
