@@ -188,16 +188,21 @@ def test_prunecomp_option_applies_before_a_method_and_is_recorded(assets, tmp_pa
     assert m["train_steps"] == 0 and prov["recovery"]["prunecomp"]["scales"][0]["scale"] > 0
 
 
-@pytest.mark.parametrize("method", ["overrep", "streamline"])
-def test_warm_start_starts_from_the_fitted_weights(assets, tmp_path, method):
-    cfg = tiny_cfg(assets, tmp_path / "w", recovery__method=method, recovery__warm_start="replaceme",
-                   recovery__closed_rows=8, **FAST)
-    p = Pipeline(cfg, progress=False)
+def warm_pipeline(assets, out, method):
+    """A pruned pipeline whose method starts from ReplaceMe's map, and the down_proj weight of
+    block 2 (the block before the removed run) that the map's fold should give it."""
+    p = Pipeline(tiny_cfg(assets, out, recovery__method=method, recovery__warm_start="replaceme",
+                          recovery__closed_rows=8, **FAST), progress=False)
     p.load(create_output=False)
     p.prune()
     fitted = copy.deepcopy(p.pruned)
     fit_and_fold(fitted, p.dense, p.plan, p.train_ids, fit_options(p.rcfg))  # the run's options and precision
-    want = down_projection(decoder_layers(fitted)[2], 2).weight
+    return p, down_projection(decoder_layers(fitted)[2], 2).weight
+
+
+@pytest.mark.parametrize("method", ["overrep", "streamline"])
+def test_warm_start_starts_from_the_fitted_weights(assets, tmp_path, method):
+    p, want = warm_pipeline(assets, tmp_path / "w", method)
     run = build_recovery(p.method_inputs(), get_method(method))
     block = run.modules[0].blocks[0]
     wrapped = block.mlp.down_proj
@@ -211,16 +216,9 @@ def test_warm_start_starts_from_the_fitted_weights(assets, tmp_path, method):
 @pytest.mark.parametrize("method", ["lora-iso", "overrep-kd"])
 def test_a_method_trained_end_to_end_starts_from_the_fitted_compact_model(assets, tmp_path, method):
     """The fair baseline of a warm start: LoRA (or any method that trains) on ReplaceMe's model."""
-    cfg = tiny_cfg(assets, tmp_path / "w", recovery__method=method, recovery__warm_start="replaceme",
-                   recovery__closed_rows=8, **FAST)
-    p = Pipeline(cfg, progress=False)
-    p.load(create_output=False)
+    p, want = warm_pipeline(assets, tmp_path / "w", method)
     assert p.metrics["warm_start"] == {"setting": "replaceme", "used": "replaceme"}
-    p.prune()
     before = down_projection(decoder_layers(p.pruned)[2], 2).weight.detach().clone()
-    fitted = copy.deepcopy(p.pruned)
-    fit_and_fold(fitted, p.dense, p.plan, p.train_ids, fit_options(p.rcfg))
-    want = down_projection(decoder_layers(fitted)[2], 2).weight
     run = build_recovery(p.method_inputs(), get_method(method))
     assert run.prepared["warm_start"]["runs"][0]["block"] == 2
     got = [m.weight for n, m in run.model.named_modules() if n.endswith("layers.2.mlp.down_proj.base_layer")
