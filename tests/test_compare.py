@@ -223,6 +223,14 @@ def test_variants_plans_and_closed_forms_in_one_grid(assets, tmp_path):
     m_path.write_text(json.dumps(m))
     assert main(["compare", "--config", config, "--quiet", "--collect-only"]) == 0
     assert "cells from more than one version of the code" in (out / "results.md").read_text()
+    # a cell that ran and was refused is listed with its reason, not as "not run yet"
+    cell = out / "cells" / rows[("overrep", "6s")]["cell"].split("/")[-1]
+    (cell / "metrics.json").rename(cell.parent / "moved-metrics.json")
+    (cell.parent / f"{cell.name}.error").write_text("overrep: error: too few steps\n")
+    assert main(["compare", "--config", config, "--quiet", "--collect-only"]) == 1  # the grid has a failed cell
+    rows = {(r["method"], r["budget"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert rows[("overrep", "6s")]["status"] == "failed: overrep: error: too few steps"
+    assert "Not run yet" not in (out / "results.md").read_text()
 
 
 def test_criteria_on_the_command_line_pick_from_the_plans(assets, tmp_path):

@@ -270,7 +270,9 @@ class Compare:
         def run(cell: Cell) -> dict | None:
             bar.set_postfix_str(cell.label)
             if self.collect_only and not cell.done:
-                rows.append({"criterion": cell.criterion, "ratio": cell.ratio, "method": cell.method, "seed": cell.seed,
+                failed = cell.dir.parent / f"{cell.dir.name}.error"  # a cell that ran and stopped says why
+                rows.append(self._row(cell, None) if failed.is_file() else
+                            {"criterion": cell.criterion, "ratio": cell.ratio, "method": cell.method, "seed": cell.seed,
                              "budget": cell.budget, "status": NOT_RUN})
                 bar.update(1)
                 return None
