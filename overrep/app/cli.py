@@ -83,7 +83,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_benchmark_arguments(parser) -> None:
     """The ``overrep eval`` benchmark options (see :func:`cmd_benchmarks`)."""
     from ..eval.benchmarks import BENCHMARKS
-    from ..eval.lmeval import DEFAULT_BATCH_SIZE, QUICK_LIMIT
+    from ..eval.lmeval import DEFAULT_BATCH_SIZE, GPU_BATCH_SIZE, QUICK_LIMIT
 
     parser.add_argument("--tasks",
                         help="suites (reasoning, generation, extra, all), rp (the tasks a small model is above chance "
@@ -93,7 +93,10 @@ def add_benchmark_arguments(parser) -> None:
                         help=f"documents per benchmark: N, 'quick' (default: {QUICK_LIMIT['reasoning']} per reasoning, "
                              f"{QUICK_LIMIT['generation']} per generation benchmark, rp's own size with --tasks rp; "
                              "MMLU takes ceil(N/57) per subject) or 'full'")
-    parser.add_argument("--batch-size", default=str(DEFAULT_BATCH_SIZE), help="lm-eval batch size, or 'auto'")
+    parser.add_argument("--batch-size", help=f"lm-eval batch size, or 'auto' (default {DEFAULT_BATCH_SIZE} on a CPU, "
+                                              f"{GPU_BATCH_SIZE} on a GPU)")
+    parser.add_argument("--device", default="auto", help="where the model is scored: auto (default: cuda if available, "
+                                                         "else cpu), cpu, cuda or cuda:N")
     parser.add_argument("--num-fewshot", type=int, default=None,
                         help="override the paper's few-shot counts (0 reasoning/CoQA, 8 GSM8K, 5 TriviaQA)")
     parser.add_argument("--task-source", choices=("auto", "local", "hub"), default="auto",

@@ -197,7 +197,8 @@ def cmd_benchmarks(args) -> int:
     if compare and (Path(compare).suffix == ".json" or Path(compare).is_file()):
         dense = load_results(compare)  # fail before the (long) evaluation
     settings = dict(tasks=args.tasks, limit=args.limit, batch_size=batch, num_fewshot=args.num_fewshot,
-                    data=getattr(args, "task_source", "auto"), progress=not getattr(args, "quiet", False))
+                    data=getattr(args, "task_source", "auto"), progress=not getattr(args, "quiet", False),
+                    device=getattr(args, "device", None) or "auto")
     results = evaluate_benchmarks(args.model, output=args.output, **settings)
     print(format_table(results))
     if compare and dense is None:

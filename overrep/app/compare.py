@@ -238,7 +238,7 @@ class Compare:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         return evaluate_benchmarks(model, tasks=spec.get("tasks", "reasoning"), limit=spec.get("limit", "quick"),
-                                   output=path, progress=False)
+                                   output=path, progress=False, device=self.base["model"].get("device", "auto"))
 
     def pruned_model(self, criterion: str, ratio: float) -> Path:
         """The pruned model without recovery (for its benchmark row), exported once."""
@@ -366,16 +366,16 @@ class Compare:
         if not cfg.benchmarks:
             return out
         dense = self.benchmark(self.base["model"]["source"], "dense")
-        out["dense"]["benchmarks"] = _suite_values(dense)
+        out["dense"].update(_suite_values(dense))
         for criterion, ratio in cfg.pairs():
             res = self.benchmark(str(self.pruned_model(criterion, ratio)), f"pruned-{criterion}-{ratio:g}")
             rp = retained_performance(res, dense)
-            out["pruned"][f"{criterion}-{ratio:g}"] = {"benchmarks": _suite_values(res),
+            out["pruned"][f"{criterion}-{ratio:g}"] = {**_suite_values(res),
                                                        "rp": {s: v.get("rp") for s, v in rp.items()}}
         for row in ok:
             res = self.benchmark(row["model_dir"], Path(row["cell"]).name)
             rp = retained_performance(res, dense)
-            row["benchmarks"] = _suite_values(res)
+            row.update(_suite_values(res))
             row["rp"] = {s: v.get("rp") for s, v in rp.items()}
         return out
 
@@ -420,4 +420,7 @@ def _fit_seconds(fit: dict) -> float:
 
 
 def _suite_values(results: dict) -> dict:
-    return {b: r.get("value") for b, r in results.get("tasks", {}).items() if r.get("status") == "ok"}
+    """A model's benchmark scores for a row: ``benchmarks`` (task: value) and ``benchmark_stderr``."""
+    ok = {b: r for b, r in results.get("tasks", {}).items() if r.get("status") == "ok"}
+    return {"benchmarks": {b: r.get("value") for b, r in ok.items()},
+            "benchmark_stderr": {b: r.get("stderr") for b, r in ok.items()}}

@@ -71,8 +71,32 @@ def _steps(row: dict) -> str:
 
 
 def _rp(row: dict) -> str:
-    rp = (row.get("rp") or {}).get("reasoning")
-    return "–" if rp is None else f"{rp:.1f}"
+    """RP over every task the grid scored (the ``rp`` selection's five), else the reasoning suite's."""
+    rp = row.get("rp") or {}
+    value = rp.get("rp", rp.get("reasoning"))
+    return "–" if value is None else f"{value:.1f}"
+
+
+def _acc(row: dict, task: str) -> str:
+    value, se = (row.get("benchmarks") or {}).get(task), (row.get("benchmark_stderr") or {}).get(task)
+    return "–" if value is None else f"{100 * value:.1f}" + ("" if se is None else f" ± {100 * se:.1f}")
+
+
+def benchmark_table(rows: list[dict], dense: dict, pruned: dict | None) -> list[str]:
+    """Accuracy ± standard error per task and RP, for the dense, pruned and recovered models."""
+    scored = [r for r in rows if r.get("status") == "ok" and r.get("benchmarks")]
+    if not scored or not dense.get("benchmarks"):
+        return []
+    tasks = list(dense["benchmarks"])
+    lines = ["", "| model | seed | " + " | ".join(tasks) + " | RP |", "|---|---:|" + "---:|" * (len(tasks) + 1),
+             "| dense | | " + " | ".join(_acc(dense, t) for t in tasks) + " | 100 |"]
+    if pruned and pruned.get("benchmarks"):
+        lines.append("| pruned, no recovery | | " + " | ".join(_acc(pruned, t) for t in tasks) + f" | {_rp(pruned)} |")
+    for r in sorted(scored, key=lambda r: (r["method"], r.get("seed", 0))):
+        lines.append(f"| {r['method']} | {r.get('seed', 0)} | " + " | ".join(_acc(r, t) for t in tasks)
+                     + f" | {_rp(r)} |")
+    return lines + ["", "Accuracy in % ± its standard error (lm-eval's), on the same documents for every model; "
+                        "RP = the model's average over these tasks / the dense average x 100."]
 
 
 def _ci(r: dict, key: str = "ppl") -> str:
@@ -147,7 +171,7 @@ def markdown(results: dict) -> str:
     bench = cfg.get("benchmarks")
     if bench:
         lines.append(f"Benchmarks: {bench.get('tasks')} at limit {bench.get('limit')} per task; RP = recovered "
-                     "reasoning average / dense average x 100.")
+                     "average / dense average x 100 over the tasks scored (each plan's second table).")
     lines.append("")
     groups = _groups(results)
     idle = _idle(groups)
@@ -165,10 +189,10 @@ def markdown(results: dict) -> str:
         removed = ok[0]["removed_layers"] if ok else "?"
         lines += [f"## {criterion}, ratio {ratio:g}, {what}", "",
                   f"Removed blocks: {removed}. Pruned without recovery: perplexity {_pruned(ok)}"
-                  + (f", reasoning RP {_rp(results['pruned'][f'{criterion}-{ratio:g}'])}"
+                  + (f", RP {_rp(results['pruned'][f'{criterion}-{ratio:g}'])}"
                      if results.get("pruned", {}).get(f"{criterion}-{ratio:g}") else "") + ".", "",
                   "| method | seed | test ppl [95%] | × dense [95%] | × dense: " + _domain_names(ok) + " | val ppl "
-                  "| RP (reasoning) | LAMBADA % | distinct-2 | steps | seconds used / budget | TFLOPs | trainable |",
+                  "| RP | LAMBADA % | distinct-2 | steps | seconds used / budget | TFLOPs | trainable |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         waiting = [r for r in rows if r.get("status") == "not run"]
         rows = [r for r in rows if r.get("status") != "not run"]
@@ -185,6 +209,7 @@ def markdown(results: dict) -> str:
                 f"{_used(r)} | {_tflops(r)} | {r['trainable_params'] / 1e6:.2f}M |")
         if waiting:
             lines += ["", "Not run yet: " + ", ".join(f"{r['method']} (seed {r['seed']})" for r in waiting) + "."]
+        lines += benchmark_table(ok, dense, results.get("pruned", {}).get(f"{criterion}-{ratio:g}"))
         spread = [(m, ppl) for m, ppl in _by_method(ok).items() if len(ppl) > 1]
         if spread:
             lines += ["", "Over seeds: " + "; ".join(

@@ -56,8 +56,10 @@ QUICK_LIMIT: dict[str, int] = {"reasoning": 200, "generation": 20, "extra": 200}
 
 DEFAULT_BATCH_SIZE = 4
 """Small batches pad less; on 2 CPU cores 4 was faster than 1, 2, 8 or 16."""
+GPU_BATCH_SIZE = 32
+"""On a GPU a small model's steps are latency-bound: larger batches are nearly free."""
 
-__all__ = ["BENCHMARKS", "DEFAULT_BATCH_SIZE", "PAPER_FEWSHOT", "PAPER_METRIC", "QUICK_LIMIT", "RESULTS_FORMAT",
+__all__ = ["BENCHMARKS", "DEFAULT_BATCH_SIZE", "GPU_BATCH_SIZE", "PAPER_FEWSHOT", "PAPER_METRIC", "QUICK_LIMIT", "RESULTS_FORMAT",
            "SUITES", "SUITE_OF", "default_output", "evaluate_benchmarks", "format_table", "library_versions",
            "lm_eval_limit", "load_results", "paper_value", "parse_metrics", "plan_benchmarks", "resolve_limit",
            "resolve_tasks", "selection_limit", "suite_averages", "write_results"]
@@ -187,13 +189,14 @@ def evaluate_benchmarks(
     *,
     tasks="reasoning",
     limit="quick",
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_size: int | str | None = None,
     num_fewshot: int | None = None,
     output: str | Path | None = None,
     data: str = "auto",
     task_dir: str | Path | None = None,
     max_length: int | None = None,
     progress: bool = True,
+    device: str = "auto",
 ) -> dict:
     """Evaluate ``model`` with lm-eval on the paper's benchmarks and write a results file.
 
@@ -206,13 +209,16 @@ def evaluate_benchmarks(
         limit: documents per benchmark: ``"quick"`` (:data:`QUICK_LIMIT`), ``None`` for all,
             an int, or a dict by benchmark or suite name. MMLU takes ``ceil(limit / 57)``
             per subject.
-        batch_size: lm-eval batch size (an int, or ``"auto"``).
+        batch_size: lm-eval batch size (an int, or ``"auto"``); ``None``: :data:`DEFAULT_BATCH_SIZE`
+            on a CPU, :data:`GPU_BATCH_SIZE` on a GPU.
         num_fewshot: overrides the paper's few-shot count (:data:`PAPER_FEWSHOT`) for every task.
         output: results JSON path (default ``overrep-eval/<model>-<time>.json``).
         data: ``"auto"``, ``"local"`` or ``"hub"`` (see :func:`plan_benchmarks`).
         task_dir: where the offline task folder is written (default in the overrep cache).
         max_length: context length lm-eval truncates to (default: the model's).
         progress: show lm-eval's progress bars.
+        device: where a model given as a spec is loaded and scored (``"cpu"``, ``"cuda[:N]"``
+            or ``"auto"``: the GPU where there is one); an in-memory model stays where it is.
 
     Returns:
         The results dict that was written: ``model``, ``versions``, ``settings``, ``tasks``
@@ -226,7 +232,7 @@ def evaluate_benchmarks(
     limits = {b: resolve_limit(limit, b) for b in benchmarks}
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise OverRepError(f"num_fewshot must be a whole number >= 0, got {num_fewshot!r}")
-    if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
+    if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
         raise OverRepError(f"batch_size must be a whole number >= 1 or 'auto', got {batch_size!r}")
     try:
         import lm_eval  # noqa: F401
@@ -245,9 +251,14 @@ def evaluate_benchmarks(
     info = None
     if is_spec:
         from ..model.loading import load_model
+        from ..model.runtime import resolve_device
 
+        target = resolve_device(device)  # a wrong device fails before the model loads
         model, tokenizer, info = load_model(None if model is None else str(model))
+        model.to(target)
     model.eval()
+    if batch_size is None:
+        batch_size = GPU_BATCH_SIZE if input_device(model).type == "cuda" else DEFAULT_BATCH_SIZE
     model_info = _model_info(model, info)
     model_source = model_info.get("source") if model_info.get("kind") != "in-memory" else None
     include_path = plan["include_path"]
