@@ -110,6 +110,31 @@ def test_benchmark_rp_is_collected_for_every_cell(assets, tmp_path):
     acc, se = row["benchmarks"]["arc_easy"], row["benchmark_stderr"]["arc_easy"]
     assert f"| overrep | 0 | {100 * acc:.1f} ± {100 * se:.1f} |" in text
     assert "| dense | | " in text and "| pruned, no recovery | | " in text
+    for path in (out / "benchmarks").glob("*.json"):  # every model's per-document scores, for paired tests
+        assert len(json.loads(path.read_text())["tasks"]["arc_easy"]["per_document"]["ids"]) == 2
+
+
+def test_rows_get_their_paired_rp_difference_to_the_best(tmp_path):
+    from overrep.app.compare import _paired_to_best
+    from overrep.app.compare_report import benchmark_table
+
+    def res(values):
+        return {"tasks": {"piqa": {"status": "ok", "value": sum(values) / len(values), "data_id": "piqa/validation",
+                                   "num_fewshot": 0, "n_samples": len(values),
+                                   "per_document": {"ids": [f"p/{i}" for i in range(len(values))],
+                                                    "values": values}}}}
+
+    rows = [{"method": m, "seed": 0, "criterion": "cosine", "ratio": 0.25, "budget": "5m", "status": "ok",
+             "benchmarks": {"piqa": sum(v) / 4}, "rp": {"rp": 100 * sum(v) / 4 / 0.5}}
+            for m, v in (("overrep", [1, 1, 1, 0]), ("lora-iso", [1, 1, 0, 0]))]
+    rp = lambda row: {"rp": row["rp"]["rp"], "dense_average": 50.0, "tasks": {"piqa": {}}}
+    _paired_to_best([(rows[0], res([1, 1, 1, 0]), rp(rows[0])), (rows[1], res([1, 1, 0, 0]), rp(rows[1]))])
+    assert rows[0]["rp_vs_best"]["is_best"] and rows[1]["rp_vs_best"]["best"] == "overrep, seed 0"
+    # differences 0, 0, -1, 0: -25 points, se 0.5 / 2 = 25 points; in RP points of a dense 50: -50 ± 50
+    assert rows[1]["rp_vs_best"]["difference"] == pytest.approx(-50.0)
+    assert rows[1]["rp_vs_best"]["stderr"] == pytest.approx(50.0)
+    table = "\n".join(benchmark_table(rows, {"benchmarks": {"piqa": 0.5}}, None))
+    assert "RP − best (paired)" in table and "| best |" in table and "| -50.0 ± 50.0 |" in table
 
 
 def test_failed_cell_is_reported_and_the_grid_goes_on(assets, tmp_path):

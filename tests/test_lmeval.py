@@ -177,6 +177,9 @@ def test_evaluate_benchmarks_writes_results_and_reports_unavailable(tiny_dir, ta
         assert r["metrics"]["acc"]["value"] == r["value"]
         assert r["data"] and r["data_id"] and r["seconds"] >= 0
         assert f"--tasks {name}_local" in r["lm_eval_command"] and "--limit 2" in r["lm_eval_command"]
+        per = r["per_document"]  # each document's score, for paired comparisons
+        assert len(per["ids"]) == len(set(per["ids"])) == 2
+        assert sum(per["values"]) / 2 == pytest.approx(r["value"])
     assert "acc_norm" in on_disk["tasks"]["arc_easy"]["metrics"]
     race = on_disk["tasks"]["race"]
     assert race["status"] == "unavailable" and "RACE" in race["reason"]  # reported, not dropped
@@ -220,6 +223,8 @@ def test_cli_prints_table_and_retained_performance(tiny_dir, task_dir, tmp_path,
     row = re.search(r"^winogrande\s+acc\s+([\d.]+ ± [\d.]+)\s+([\d.]+ ± [\d.]+)", out, re.M)
     assert row and row.group(1) == row.group(2)  # accuracy ± stderr of each model
     assert "reasoning: " in out  # the suite's RP line (undefined if the tiny model scores 0)
+    # and the paired difference on the same documents: exactly zero for the same model
+    assert re.search(r"^  winogrande\s+\+0\.0 ± 0\.0\s+\(2 documents\)", out, re.M)
 
 
 def test_user_errors_are_one_line(tmp_path):
@@ -306,6 +311,39 @@ def test_retained_performance_refuses_unlike_results(tmp_path):
     rp = retained.retained_performance(pruned, tmp_path / "dense.json")["reasoning"]
     assert rp["rp"] is None and rp["tasks"] == {}
     assert "number of documents" in rp["excluded"]["arc_easy"] and "data_id" in rp["excluded"]["mmlu"]
+
+
+def _per_document(result: dict, **scores: list[float]) -> dict:
+    for name, values in scores.items():
+        result["tasks"][name]["per_document"] = {"ids": [f"{name}/{i}" for i in range(len(values))],
+                                                 "values": values}
+        result["tasks"][name]["n_samples"] = len(values)
+    return result
+
+
+def test_paired_difference_is_the_mean_per_document_difference():
+    a = _per_document(_result(arc_easy=0.5, piqa=0.75), arc_easy=[1, 0, 1, 0], piqa=[1, 1, 1, 0])
+    b = _per_document(_result(arc_easy=0.25, piqa=0.75), arc_easy=[1, 0, 0, 0], piqa=[1, 1, 0, 1])
+    p = retained.paired_difference(a, b, dense_average=50.0)
+    # arc_easy: differences 0, 0, 1, 0 -> mean 25 points, sd sqrt(0.25) -> se 0.5 / 2 = 25 points
+    assert p["tasks"]["arc_easy"] == pytest.approx({"difference": 25.0, "stderr": 25.0, "documents": 4})
+    # piqa: 0, 0, 1, -1 -> mean 0, sd sqrt(2/3) -> se sqrt(2/3) / 2
+    assert p["tasks"]["piqa"]["stderr"] == pytest.approx(100 * math.sqrt(2 / 3) / 2)
+    assert p["average"]["difference"] == pytest.approx(12.5)
+    assert p["average"]["stderr"] == pytest.approx(math.sqrt(25.0 ** 2 + (100 * math.sqrt(2 / 3) / 2) ** 2) / 2)
+    assert p["rp"]["difference"] == pytest.approx(25.0)  # 12.5 points of a dense average of 50
+    # shared hardness cancels: the paired se is below the unpaired one when the models agree
+    same = retained.paired_difference(a, a)
+    assert same["average"] == {"difference": 0.0, "stderr": 0.0}
+
+
+def test_paired_difference_needs_the_same_documents():
+    a = _per_document(_result(arc_easy=0.5, piqa=0.5), arc_easy=[1, 0], piqa=[1, 0])
+    b = _per_document(_result(arc_easy=0.5, piqa=0.5), arc_easy=[1, 0])
+    b["tasks"]["arc_easy"]["per_document"]["ids"] = ["arc_easy/0", "arc_easy/7"]
+    p = retained.paired_difference(a, b, tasks=["arc_easy", "piqa"])
+    assert p["tasks"] == {} and p["average"] is None
+    assert "different documents" in p["excluded"]["arc_easy"] and "per-document" in p["excluded"]["piqa"]
 
 
 def test_recovery_ratio(tmp_path):

@@ -186,7 +186,7 @@ def cmd_benchmarks(args) -> int:
     evaluated with the same settings (its results go next to ``--output``, suffixed ``.dense``).
     """
     from ..eval.lmeval import evaluate_benchmarks, format_table, load_results
-    from ..eval.retained import format_retained, retained_performance
+    from ..eval.retained import format_paired, format_retained, paired_difference, retained_performance
 
     args.tasks, args.limit = args.tasks or "reasoning", args.limit or "quick"
     batch = args.batch_size
@@ -209,6 +209,10 @@ def cmd_benchmarks(args) -> int:
     if dense is not None:
         print()
         print(format_retained(retained_performance(results, dense)))
+        paired = paired_difference(results, dense)
+        if paired["tasks"]:
+            print()
+            print(format_paired(paired))
     return 0
 
 

@@ -372,12 +372,36 @@ class Compare:
             rp = retained_performance(res, dense)
             out["pruned"][f"{criterion}-{ratio:g}"] = {**_suite_values(res),
                                                        "rp": {s: v.get("rp") for s, v in rp.items()}}
+        scored = []
         for row in ok:
             res = self.benchmark(row["model_dir"], Path(row["cell"]).name)
             rp = retained_performance(res, dense)
             row.update(_suite_values(res))
             row["rp"] = {s: v.get("rp") for s, v in rp.items()}
+            scored.append((row, res, rp.get("rp")))
+        _paired_to_best(scored)
         return out
+
+
+def _paired_to_best(scored: list[tuple[dict, dict, dict | None]]) -> None:
+    """Give each scored row its RP difference to the best row (highest RP) of its plan and
+    budget, paired by document (``rp_vs_best``): which rows the benchmarks cannot tell apart."""
+    from ..eval.retained import paired_difference
+
+    groups: dict[tuple, list] = {}
+    for row, res, rp in scored:
+        if rp and rp.get("rp") is not None:
+            groups.setdefault((row["criterion"], row["ratio"], row["budget"]), []).append((row, res, rp))
+    for members in groups.values():
+        best_row, best_res, _ = max(members, key=lambda m: m[2]["rp"])
+        best = f"{best_row['method']}, seed {best_row.get('seed', 0)}"
+        for row, res, rp in members:
+            if row is best_row:
+                row["rp_vs_best"] = {"difference": 0.0, "stderr": 0.0, "best": best, "is_best": True}
+                continue
+            paired = paired_difference(res, best_res, rp["dense_average"], tasks=list(rp["tasks"]))
+            if paired["rp"]:
+                row["rp_vs_best"] = {**paired["rp"], "best": best}
 
 
 def _protocol_figures(m: dict) -> dict:

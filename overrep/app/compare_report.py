@@ -88,15 +88,28 @@ def benchmark_table(rows: list[dict], dense: dict, pruned: dict | None) -> list[
     if not scored or not dense.get("benchmarks"):
         return []
     tasks = list(dense["benchmarks"])
-    lines = ["", "| model | seed | " + " | ".join(tasks) + " | RP |", "|---|---:|" + "---:|" * (len(tasks) + 1),
-             "| dense | | " + " | ".join(_acc(dense, t) for t in tasks) + " | 100 |"]
+    paired = any(r.get("rp_vs_best") for r in scored)
+    extra = " RP − best (paired) |" if paired else ""
+    lines = ["", "| model | seed | " + " | ".join(tasks) + " | RP |" + extra,
+             "|---|---:|" + "---:|" * (len(tasks) + 1 + paired),
+             "| dense | | " + " | ".join(_acc(dense, t) for t in tasks) + " | 100 |" + " |" * paired]
     if pruned and pruned.get("benchmarks"):
-        lines.append("| pruned, no recovery | | " + " | ".join(_acc(pruned, t) for t in tasks) + f" | {_rp(pruned)} |")
+        lines.append("| pruned, no recovery | | " + " | ".join(_acc(pruned, t) for t in tasks) + f" | {_rp(pruned)} |"
+                     + " |" * paired)
     for r in sorted(scored, key=lambda r: (r["method"], r.get("seed", 0))):
         lines.append(f"| {r['method']} | {r.get('seed', 0)} | " + " | ".join(_acc(r, t) for t in tasks)
-                     + f" | {_rp(r)} |")
+                     + f" | {_rp(r)} |" + (f" {_vs_best(r)} |" if paired else ""))
+    note = ("; RP − best: the row's RP minus the best row's, ± the standard error of that difference paired by "
+            "document (the same documents for both models, so what makes a document hard cancels)") if paired else ""
     return lines + ["", "Accuracy in % ± its standard error (lm-eval's), on the same documents for every model; "
-                        "RP = the model's average over these tasks / the dense average x 100."]
+                        "RP = the model's average over these tasks / the dense average x 100" + note + "."]
+
+
+def _vs_best(row: dict) -> str:
+    v = row.get("rp_vs_best")
+    if not v:
+        return "–"
+    return "best" if v.get("is_best") else f"{v['difference']:+.1f} ± {v['stderr']:.1f}"
 
 
 def _ci(r: dict, key: str = "ppl") -> str:

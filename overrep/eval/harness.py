@@ -83,6 +83,23 @@ def _extract(benchmark: str, plan: dict, raw: dict) -> dict:
             "n_total": n_orig, "task_version": versions.get(task)}
 
 
+def per_document(samples: dict, metric: str | None) -> dict | None:
+    """The paper's metric on each document (from lm-eval's logged samples): ``{"ids", "values"}``,
+    ``ids`` as ``"<task>/<doc_id>"`` (a group's subtasks kept apart). Two models scored on the same
+    documents can then be compared *paired* (:func:`overrep.eval.retained.paired_difference`)."""
+    if not metric:
+        return None
+    name, _, filt = metric.partition(",")
+    ids, values = [], []
+    for task in sorted(samples):
+        for s in samples[task]:
+            if s.get("filter", "none") != (filt or "none") or _num(s.get(name)) is None:
+                continue
+            ids.append(f"{task}/{s['doc_id']}")
+            values.append(float(s[name]))
+    return {"ids": ids, "values": values} if ids else None
+
+
 def library_versions() -> dict:
     from .. import __version__
     from .tasks import package_version
@@ -172,9 +189,10 @@ def _run_benchmark(lm, manager, b: str, p: dict, shots: int, limit: int | None, 
     try:
         with _quiet_libraries(progress):
             raw = simple_evaluate(model=lm, tasks=[p["lm_eval_task"]], num_fewshot=shots, limit=task_limit,
-                                  batch_size=batch_size, task_manager=manager, log_samples=False,
+                                  batch_size=batch_size, task_manager=manager, log_samples=True,
                                   bootstrap_iters=100000)
         record.update(_extract(b, p, raw))
+        record["per_document"] = per_document(raw.get("samples") or {}, record["metric"])
     except OverRepError:
         raise
     except Exception as error:  # one broken task must not cost the others' results

@@ -6,6 +6,11 @@
   benchmarks that both evaluated *on the same footing* -- same documents (``data_id``),
   same few-shot count and source, same number of documents -- and lists every benchmark
   it leaves out, with the reason.
+* **Paired difference** of two models on the same documents
+  (:func:`paired_difference`): per benchmark the mean and standard error of the per-document
+  difference of the paper's metric, and of their average (RP's numerator). Most of what makes a
+  document hard is shared by two models, so the paired standard error is smaller than the two
+  unpaired ones combined; it needs per-document scores (results files from this version on).
 * **RR** = trainable recovery parameters / parameters of the pruned model x 100, from a
   pipeline output's ``metrics.json`` (:func:`recovery_ratio`).
 * **Perplexity** with a sliding window (:func:`overrep.model.perplexity.perplexity_windows`,
@@ -86,6 +91,63 @@ def retained_performance(pruned_results, dense_results) -> dict:
         out[suite] = {"rp": (100 * pa / da) if used and da else None, "pruned_average": pa, "dense_average": da,
                       "tasks": used, "excluded": excluded}
     return out
+
+
+def _documents(record: dict) -> dict[str, float] | None:
+    per = record.get("per_document")
+    return dict(zip(per["ids"], per["values"])) if per else None
+
+
+def paired_difference(a_results, b_results, dense_average: float | None = None,
+                      tasks: list[str] | None = None) -> dict:
+    """``a - b`` per benchmark, paired by document: both models must have scored the same
+    documents (their per-document scores, :func:`overrep.eval.harness.per_document`).
+
+    Returns ``{"tasks": {benchmark: {"difference", "stderr", "documents"}}, "average":
+    {"difference", "stderr"} | None, "rp": {"difference", "stderr"} | None, "excluded":
+    {benchmark: reason}}`` in points (0-100). ``average`` is over the benchmarks compared (the
+    benchmarks are scored on independent documents, so their variances add); ``rp`` is that
+    difference in RP points, given the dense model's average over the same ``tasks``.
+    """
+    a, b = load_results(a_results), load_results(b_results)
+    names = tasks or [t for t in a["tasks"] if t in b["tasks"]]
+    used, excluded = {}, {}
+    for t in names:
+        ra, rb = a["tasks"].get(t) or {}, b["tasks"].get(t) or {}
+        da, db = _documents(ra), _documents(rb)
+        if ra.get("status") != "ok" or rb.get("status") != "ok":
+            excluded[t] = "not scored for both models"
+        elif da is None or db is None:
+            excluded[t] = "no per-document scores (a results file from before they were kept)"
+        elif _footing(ra)[:3] != _footing(rb)[:3] or set(da) != set(db):
+            excluded[t] = "the two models scored different documents"
+        else:
+            diff = [da[k] - db[k] for k in da]
+            n = len(diff)
+            mean = sum(diff) / n
+            var = sum((x - mean) ** 2 for x in diff) / (n - 1) if n > 1 else float("nan")
+            used[t] = {"difference": 100 * mean, "stderr": 100 * math.sqrt(var / n), "documents": n}
+    average = rp = None
+    if used and (tasks is None or len(used) == len(names)):
+        k = len(used)
+        average = {"difference": sum(v["difference"] for v in used.values()) / k,
+                   "stderr": math.sqrt(sum(v["stderr"] ** 2 for v in used.values())) / k}
+        if dense_average:
+            rp = {key: 100 * value / dense_average for key, value in average.items()}
+    return {"tasks": used, "average": average, "rp": rp, "excluded": excluded}
+
+
+def format_paired(paired: dict, a: str = "model", b: str = "dense") -> str:
+    """Lines: each benchmark's paired difference ``a - b`` ± its standard error."""
+    lines = [f"paired by document, {a} - {b} (points ± standard error):"]
+    for t, v in paired["tasks"].items():
+        lines.append(f"  {t:14s} {v['difference']:+6.1f} ± {v['stderr']:.1f}   ({v['documents']} documents)")
+    if paired["average"]:
+        av = paired["average"]
+        lines.append(f"  {'average':14s} {av['difference']:+6.1f} ± {av['stderr']:.1f}")
+    for t, why in paired["excluded"].items():
+        lines.append(f"  left out {t}: {why}")
+    return "\n".join(lines)
 
 
 def format_retained(rp: dict) -> str:
