@@ -112,6 +112,13 @@ def test_benchmark_rp_is_collected_for_every_cell(assets, tmp_path):
     assert "| dense | | " in text and "| pruned, no recovery | | " in text
     for path in (out / "benchmarks").glob("*.json"):  # every model's per-document scores, for paired tests
         assert len(json.loads(path.read_text())["tasks"]["arc_easy"]["per_document"]["ids"]) == 2
+    # --cached-benchmarks: RP where a model was scored, nothing scored anew
+    (cell_file,) = [p for p in (out / "benchmarks").glob("*.json") if not p.name.startswith(("dense", "pruned"))]
+    cell_file.unlink()
+    assert main(["compare", "--config", config, "--quiet", "--collect-only", "--cached-benchmarks"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert "benchmarks" not in results["rows"][0] and "arc_easy" in results["dense"]["benchmarks"]
+    assert "last-0.3" in results["pruned"] and not cell_file.exists()
 
 
 def test_rows_get_their_paired_rp_difference_to_the_best(tmp_path):

@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "overrides the file")
     c.add_argument("--seeds", help="comma-separated recovery seeds (every cell once per seed), overrides the file")
     c.add_argument("--no-benchmarks", action="store_true", help="held-out perplexity only (skip lm-eval RP)")
+    c.add_argument("--cached-benchmarks", action="store_true", help="RP only for the models the grid has already "
+                                                                     "scored; score nothing new")
     c.add_argument("--collect-only", action="store_true", help="run no cell: tables from the finished ones, the "
                                                                 "others listed as not run")
     c.add_argument("--into", metavar="DOC", help="also write the tables into DOC (a markdown page), between its "

@@ -271,7 +271,12 @@ def cmd_compare(args) -> int:
                                            "budgets": split(args.budgets), "seeds": _ints(split(args.seeds))})
     if args.no_benchmarks:
         cfg.benchmarks = None
-    results = Compare(cfg, progress=not args.quiet, collect_only=args.collect_only).run()
+    if args.no_benchmarks and args.cached_benchmarks:
+        raise OverRepError("--no-benchmarks and --cached-benchmarks exclude each other")
+    if args.cached_benchmarks and not cfg.benchmarks:
+        raise OverRepError("--cached-benchmarks needs the grid's `benchmarks:` setting (the results it names)")
+    results = Compare(cfg, progress=not args.quiet, collect_only=args.collect_only,
+                      cached_benchmarks=args.cached_benchmarks).run()
     failed = [r for r in results["rows"] if r.get("status") not in ("ok", NOT_RUN)]
     waiting = sum(r.get("status") == NOT_RUN for r in results["rows"])
     print(f"{len(results['rows']) - len(failed) - waiting} cells ok, {len(failed)} failed"
@@ -290,6 +295,7 @@ def _compare_command(args) -> str:
                                                                           "budgets", "seeds", "output", "into")
                                    if (v := getattr(args, k))]
     return " ".join(parts + (["--no-benchmarks"] if args.no_benchmarks else [])
+                    + (["--cached-benchmarks"] if args.cached_benchmarks else [])
                     + (["--collect-only"] if args.collect_only else []))
 
 

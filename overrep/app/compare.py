@@ -99,9 +99,11 @@ def _hash(obj) -> str:
 
 
 class Compare:
-    def __init__(self, cfg: CompareConfig, *, progress: bool = True, collect_only: bool = False):
+    def __init__(self, cfg: CompareConfig, *, progress: bool = True, collect_only: bool = False,
+                 cached_benchmarks: bool = False):
         self.cfg, self.progress = cfg, progress
         self.collect_only = collect_only  # tables from the finished cells; run nothing
+        self.cached_benchmarks = cached_benchmarks  # benchmark rows only for models already scored
         self.out = Path(cfg.output)
         base = RunConfig.from_dict(cfg.base).to_dict()
         if not cfg.base.get("cache", {}).get("dir"):
@@ -234,17 +236,22 @@ class Compare:
         path = self.out / "benchmarks" / f"{tag}-{_hash([model, spec])}.json"
         if path.is_file():
             return json.loads(path.read_text())
+        if self.cached_benchmarks:
+            return None
         from ..eval.lmeval import evaluate_benchmarks
 
         path.parent.mkdir(parents=True, exist_ok=True)
         return evaluate_benchmarks(model, tasks=spec.get("tasks", "reasoning"), limit=spec.get("limit", "quick"),
                                    output=path, progress=False, device=self.base["model"].get("device", "auto"))
 
-    def pruned_model(self, criterion: str, ratio: float) -> Path:
-        """The pruned model without recovery (for its benchmark row), exported once."""
+    def pruned_model(self, criterion: str, ratio: float, export: bool = True) -> Path | None:
+        """The pruned model without recovery (for its benchmark row), exported once (``None``
+        when it was not and ``export`` is false)."""
         cell = self.cell(criterion, ratio, "none", "none")
         model = cell.dir / "pruned-model"
         if not (model / "overrep.json").is_file():
+            if not export:
+                return None
             request = cell.dir.parent / f"{cell.dir.name}.yaml"
             request.parent.mkdir(parents=True, exist_ok=True)
             cfg = copy.deepcopy(cell.config)
@@ -366,15 +373,22 @@ class Compare:
         if not cfg.benchmarks:
             return out
         dense = self.benchmark(self.base["model"]["source"], "dense")
+        if dense is None:  # cached_benchmarks, and the dense model never scored: nothing to compare with
+            return out
         out["dense"].update(_suite_values(dense))
         for criterion, ratio in cfg.pairs():
-            res = self.benchmark(str(self.pruned_model(criterion, ratio)), f"pruned-{criterion}-{ratio:g}")
+            pruned = self.pruned_model(criterion, ratio, export=not self.cached_benchmarks)
+            res = pruned and self.benchmark(str(pruned), f"pruned-{criterion}-{ratio:g}")
+            if res is None:
+                continue
             rp = retained_performance(res, dense)
             out["pruned"][f"{criterion}-{ratio:g}"] = {**_suite_values(res),
                                                        "rp": {s: v.get("rp") for s, v in rp.items()}}
         scored = []
         for row in ok:
             res = self.benchmark(row["model_dir"], Path(row["cell"]).name)
+            if res is None:
+                continue
             rp = retained_performance(res, dense)
             row.update(_suite_values(res))
             row["rp"] = {s: v.get("rp") for s, v in rp.items()}
