@@ -122,7 +122,7 @@ def test_benchmark_rp_is_collected_for_every_cell(assets, tmp_path):
 
 
 def test_rows_get_their_paired_rp_difference_to_the_best(tmp_path):
-    from overrep.app.compare import _paired_to_best
+    from overrep.app.compare_benchmarks import paired_to_best
     from overrep.app.compare_report import benchmark_table
 
     def res(values):
@@ -135,7 +135,7 @@ def test_rows_get_their_paired_rp_difference_to_the_best(tmp_path):
              "benchmarks": {"piqa": sum(v) / 4}, "rp": {"rp": 100 * sum(v) / 4 / 0.5}}
             for m, v in (("overrep", [1, 1, 1, 0]), ("lora-iso", [1, 1, 0, 0]))]
     rp = lambda row: {"rp": row["rp"]["rp"], "dense_average": 50.0, "tasks": {"piqa": {}}}
-    _paired_to_best([(rows[0], res([1, 1, 1, 0]), rp(rows[0])), (rows[1], res([1, 1, 0, 0]), rp(rows[1]))])
+    paired_to_best([(rows[0], res([1, 1, 1, 0]), rp(rows[0])), (rows[1], res([1, 1, 0, 0]), rp(rows[1]))])
     assert rows[0]["rp_vs_best"]["is_best"] and rows[1]["rp_vs_best"]["best"] == "overrep, seed 0"
     # differences 0, 0, -1, 0: -25 points, se 0.5 / 2 = 25 points; in RP points of a dense 50: -50 ± 50
     assert rows[1]["rp_vs_best"]["difference"] == pytest.approx(-50.0)

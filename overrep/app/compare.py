@@ -58,6 +58,7 @@ from pathlib import Path
 
 import yaml
 
+from .compare_benchmarks import collect, score
 from .compare_config import FREE, CompareConfig, deep_update, budget_seconds
 from .config import RunConfig
 from ..errors import OverRepError
@@ -228,21 +229,9 @@ class Compare:
             if not link.exists():
                 link.symlink_to(shared.resolve(), target_is_directory=True)
 
-    # ---- benchmarks ----------------------------------------------------------------
+    # ---- benchmarks (compare_benchmarks.py) ------------------------------------------
     def benchmark(self, model: str, tag: str) -> dict | None:
-        spec = self.cfg.benchmarks
-        if not spec:
-            return None
-        path = self.out / "benchmarks" / f"{tag}-{_hash([model, spec])}.json"
-        if path.is_file():
-            return json.loads(path.read_text())
-        if self.cached_benchmarks:
-            return None
-        from ..eval.lmeval import evaluate_benchmarks
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return evaluate_benchmarks(model, tasks=spec.get("tasks", "reasoning"), limit=spec.get("limit", "quick"),
-                                   output=path, progress=False, device=self.base["model"].get("device", "auto"))
+        return score(self, model, tag)
 
     def pruned_model(self, criterion: str, ratio: float, export: bool = True) -> Path | None:
         """The pruned model without recovery (for its benchmark row), exported once (``None``
@@ -328,7 +317,7 @@ class Compare:
             raise OverRepError(f"interrupted; finished cells are kept in {self.out / 'cells'} -- rerun the same "
                                "`overrep compare` command to continue") from None
         bar.close()
-        results = self.collect(rows)
+        results = collect(self, rows)
         write_json(self.out / "results.json", results)
         from .compare_report import write_compare_report
 
@@ -360,63 +349,6 @@ class Compare:
         row["recovery_seconds"] = row["train_seconds"] + row["feature_seconds"] + row["search_seconds"]
         row.update(_protocol_figures(m))
         return row
-
-    def collect(self, rows: list[dict]) -> dict:
-        """Add benchmark results (dense once, pruned once per criterion/ratio, every cell)."""
-        from ..eval.retained import retained_performance
-
-        cfg = self.cfg
-        out = {"config": dataclasses.asdict(cfg), "rows": rows, "dense": {}, "pruned": {}}
-        ok = [r for r in rows if r.get("status") == "ok"]
-        if ok:
-            out["dense"]["ppl"] = ok[0]["dense_ppl"]
-        if not cfg.benchmarks:
-            return out
-        dense = self.benchmark(self.base["model"]["source"], "dense")
-        if dense is None:  # cached_benchmarks, and the dense model never scored: nothing to compare with
-            return out
-        out["dense"].update(_suite_values(dense))
-        for criterion, ratio in cfg.pairs():
-            pruned = self.pruned_model(criterion, ratio, export=not self.cached_benchmarks)
-            res = pruned and self.benchmark(str(pruned), f"pruned-{criterion}-{ratio:g}")
-            if res is None:
-                continue
-            rp = retained_performance(res, dense)
-            out["pruned"][f"{criterion}-{ratio:g}"] = {**_suite_values(res),
-                                                       "rp": {s: v.get("rp") for s, v in rp.items()}}
-        scored = []
-        for row in ok:
-            res = self.benchmark(row["model_dir"], Path(row["cell"]).name)
-            if res is None:
-                continue
-            rp = retained_performance(res, dense)
-            row.update(_suite_values(res))
-            row["rp"] = {s: v.get("rp") for s, v in rp.items()}
-            scored.append((row, res, rp.get("rp")))
-        _paired_to_best(scored)
-        return out
-
-
-def _paired_to_best(scored: list[tuple[dict, dict, dict | None]]) -> None:
-    """Give each scored row its RP difference to the best row (highest RP) of its plan and
-    budget, paired by document (``rp_vs_best``): which rows the benchmarks cannot tell apart."""
-    from ..eval.retained import paired_difference
-
-    groups: dict[tuple, list] = {}
-    for row, res, rp in scored:
-        if rp and rp.get("rp") is not None:
-            groups.setdefault((row["criterion"], row["ratio"], row["budget"]), []).append((row, res, rp))
-    for members in groups.values():
-        best_row, best_res, _ = max(members, key=lambda m: m[2]["rp"])
-        best = f"{best_row['method']}, seed {best_row.get('seed', 0)}"
-        for row, res, rp in members:
-            if row is best_row:
-                row["rp_vs_best"] = {"difference": 0.0, "stderr": 0.0, "best": best, "is_best": True}
-                continue
-            paired = paired_difference(res, best_res, rp["dense_average"], tasks=list(rp["tasks"]))
-            if paired["rp"]:
-                row["rp_vs_best"] = {**paired["rp"], "best": best}
-
 
 def _protocol_figures(m: dict) -> dict:
     """What the evaluation protocol adds to a row: test perplexity with its 95% interval, the
@@ -455,10 +387,3 @@ def _domain_ratios(m: dict, unseen: set[str]) -> dict[str, float]:
 def _fit_seconds(fit: dict) -> float:
     """Seconds a closed form took to fit (Prune&Comp: its scales; ReplaceMe: each run's map)."""
     return fit.get("seconds") or sum(run.get("seconds", 0.0) for run in fit.get("runs", []))
-
-
-def _suite_values(results: dict) -> dict:
-    """A model's benchmark scores for a row: ``benchmarks`` (task: value) and ``benchmark_stderr``."""
-    ok = {b: r for b, r in results.get("tasks", {}).items() if r.get("status") == "ok"}
-    return {"benchmarks": {b: r.get("value") for b, r in ok.items()},
-            "benchmark_stderr": {b: r.get("stderr") for b, r in ok.items()}}
