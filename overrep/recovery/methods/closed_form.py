@@ -134,7 +134,8 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
     elif len(runs := contiguous_runs(removed)) > 1:
         # measured: on Block Influence's mask of four runs (one map and one stitched block a run)
         # the warm start was 7-9% worse on validation than the cold one on each of three seeds at
-        # 2.5 minutes (docs/results.md, section 2); recovery.warm_start: replaceme still warms it
+        # 2.5 minutes, and 15% and 9% worse at 5 and 10 minutes (seed 0; docs/closed-forms.md);
+        # recovery.warm_start: replaceme still warms it
         used, why = "none", (f"the mask removes {len(runs)} separate runs, where the warm start measured worse "
                              "(recovery.warm_start: replaceme starts it warm)")
     else:
