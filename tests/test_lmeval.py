@@ -332,7 +332,7 @@ def test_paired_difference_is_the_mean_per_document_difference():
     assert p["average"]["difference"] == pytest.approx(12.5)
     assert p["average"]["stderr"] == pytest.approx(math.sqrt(25.0 ** 2 + (100 * math.sqrt(2 / 3) / 2) ** 2) / 2)
     assert p["rp"]["difference"] == pytest.approx(25.0)  # 12.5 points of a dense average of 50
-    # shared hardness cancels: the paired se is below the unpaired one when the models agree
+    # a model against itself: every document's difference is 0
     same = retained.paired_difference(a, a)
     assert same["average"] == {"difference": 0.0, "stderr": 0.0}
 

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import yaml
 
-from .compare_benchmarks import collect, score
+from .compare_benchmarks import collect
 from .compare_config import FREE, CompareConfig, deep_update, budget_seconds
 from .config import RunConfig
 from ..errors import OverRepError
@@ -229,10 +229,7 @@ class Compare:
             if not link.exists():
                 link.symlink_to(shared.resolve(), target_is_directory=True)
 
-    # ---- benchmarks (compare_benchmarks.py) ------------------------------------------
-    def benchmark(self, model: str, tag: str) -> dict | None:
-        return score(self, model, tag)
-
+    # ---- benchmarks (scored in compare_benchmarks.py) --------------------------------
     def pruned_model(self, criterion: str, ratio: float, export: bool = True) -> Path | None:
         """The pruned model without recovery (for its benchmark row), exported once (``None``
         when it was not and ``export`` is false)."""
