@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -224,7 +225,8 @@ def test_the_deadline_refits_steps_to_the_observed_step_time():
     assert deadline.steps_left(2.0, now=40.0) == fit_steps(0.99 * 60.0, costs, 10, 10) == 39
     assert deadline.steps_left(1.0, now=40.0) == 79  # steps twice as fast as the probe said: twice as many
     assert deadline.steps_left(2.0, now=120.0) == 1  # past the deadline: one step ends the schedule
-    assert deadline.refit_step(1000) == 20 and deadline.refit_step(50) == 5 and deadline.refit_step(4) == 3
+    assert deadline.refit_steps(1000) == (20, 40) and deadline.refit_steps(50) == (5, 10)
+    assert deadline.refit_steps(4) == (3, 6)
 
 
 def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path, monkeypatch):
@@ -241,12 +243,37 @@ def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path
     tb = m["time_budget"]
     refit = tb["refit"]
     assert refit["steps_before"] < refit["steps_after"] == tb["steps"] == m["train_steps"]
-    assert refit["seconds_per_step"] < refit["probe_seconds_per_step"] == 0.5
+    first, second = refit["at"]  # after the first steps, and as many again timed on the steps in between
+    assert second["step"] == 2 * first["step"] and second["steps"] == refit["steps_after"]
+    assert first["seconds_per_step"] < refit["probe_seconds_per_step"] == 0.5
     manifest = json.loads((tmp_path / m["cache"]["path"] / "manifest.json").read_text())
     assert manifest["layout"]["num_samples"] == tb["rows"]  # the cache was built before the re-fit
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
-    assert len(log) == tb["steps"] and log[-1]["alpha"] == 0.0 and log[-1]["lr"] < log[refit["at_step"]]["lr"]
+    assert len(log) == tb["steps"] and log[-1]["alpha"] == 0.0 and log[-1]["lr"] < log[first["step"]]["lr"]
     assert m["merge_max_rel_diff"] <= 1e-5
+
+
+def test_a_second_refit_catches_steps_that_got_faster(assets, tmp_path, monkeypatch):
+    """Steps that are slow until the first re-fit and fast after it: the first re-fit plans
+    for the slow rate, the second, timed on the steps in between, takes more steps (one
+    re-fit left LoRA 10% of a CPU budget unused this way)."""
+    no_deadline_stop(monkeypatch)
+    from overrep.recovery.trainer import Trainer
+
+    real_step = Trainer._step
+
+    def step(self):
+        time.sleep(0.15 if self.refit is None else 0.02)
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "_step", step)
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.15, 0.0, 0.0, anneal=0.15))
+    cfg = tiny_cfg(assets, tmp_path / "second", eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                   recovery__time_budget="8s", recovery__warm_start="none")
+    m = Pipeline(cfg, progress=False).run()
+    first, second = m["time_budget"]["refit"]["at"]
+    assert first["seconds_per_step"] > 0.14 > 0.1 > second["seconds_per_step"]
+    assert second["steps"] > first["steps"] and m["train_steps"] == second["steps"]
 
 
 @pytest.mark.parametrize("method", ["overrep", "lora", "overrep-warm"])

@@ -131,8 +131,8 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.seconds = 0.0
-        self.deadline: Deadline | None = None  # a budgeted run: re-fit the step count once it has timed itself
-        self.refit: dict | None = None  # what that re-fit measured and changed
+        self.deadline: Deadline | None = None  # a budgeted run: re-fit the step count as it times itself
+        self.refit: dict | None = None  # what the re-fits measured and changed
         self.last_scored: dict | None = None  # the last history record with a val_ppl
         self.best: dict | None = None  # recovery.keep_best: the best foldable weights so far (step, val_ppl, tensors)
         self.selected: dict | None = None  # which step the run ended at, and why
@@ -154,18 +154,20 @@ class Trainer:
             a.set_schedule(schedule)
         self.objective.set_total_steps(total)
 
-    def refit_to_deadline(self, step_seconds: list[float]) -> None:
-        """Re-fit the step count to the time left, from the real steps timed so far (the
-        first one, which pays one-off costs, left out)."""
-        timed = step_seconds[1:] or step_seconds
+    def refit_to_deadline(self, timed: list[float]) -> None:
+        """Re-fit the step count to the time left, from the real steps ``timed`` since the
+        last re-fit (the run's first step, which pays one-off costs, left out)."""
         observed = sum(timed) / len(timed)
         total = self.world.broadcast(self.step + self.deadline.steps_left(observed, time.perf_counter()))
-        self.refit = {"at_step": self.step, "seconds_per_step": observed,
-                      "probe_seconds_per_step": self.deadline.costs.anneal or self.deadline.costs.step,
-                      "steps_before": self.total, "steps_after": total}
+        if self.refit is None:
+            self.refit = {"probe_seconds_per_step": self.deadline.costs.anneal or self.deadline.costs.step,
+                          "steps_before": self.total, "at": []}
+        before = self.refit["at"][-1]["seconds_per_step"] if self.refit["at"] else self.refit["probe_seconds_per_step"]
+        self.refit["at"].append({"step": self.step, "seconds_per_step": observed, "steps": total})
+        self.refit["steps_after"] = total
         if total != self.total:
-            log.info("time budget: a step takes %.2f s here (%.2f s in the probe): %d steps instead of %d",
-                     observed, self.refit["probe_seconds_per_step"], total, self.total)
+            log.info("time budget: a step takes %.2f s here (%.2f s %s): %d steps instead of %d", observed, before,
+                     "before" if len(self.refit["at"]) > 1 else "in the probe", total, self.total)
             self.set_total(total)
 
     # ---- data --------------------------------------------------------------------
@@ -323,9 +325,9 @@ class Trainer:
         obj.train(True)
         bar = tqdm(total=self.total, initial=self.step, desc="recovery", unit="step",
                    disable=not (self.progress and self.world.is_main), dynamic_ncols=True)
-        refit_at = self.deadline.refit_step(self.total) if self.deadline and self.objective.retargetable else -1
-        refit_at = refit_at if refit_at < self.total else -1  # a run that short has no schedule left to re-fit
+        refit_at = list(self.deadline.refit_steps(self.total)) if self.deadline and self.objective.retargetable else []
         step_seconds: list[float] = []
+        timed_from = 1  # the steps a re-fit times: since the last one (the first step pays one-off costs)
         try:
             while self.step < self.total:
                 t0 = time.perf_counter()
@@ -333,9 +335,10 @@ class Trainer:
                 self.step += 1
                 step_seconds.append(time.perf_counter() - t0)
                 self.seconds += step_seconds[-1]
-                if self.step == refit_at:
-                    self.refit_to_deadline(step_seconds)
-                    bar.total = self.total
+                if refit_at and self.step == refit_at[0] < self.total:  # a run that short has nothing to re-fit
+                    self.refit_to_deadline(step_seconds[timed_from:] or step_seconds)
+                    timed_from, bar.total = len(step_seconds), self.total
+                refit_at = [s for s in refit_at if s > self.step]
                 rec = {"step": self.step, "loss": total, "lr": self.opt.param_groups[0]["lr"],
                        "alpha": self.alpha, "grad_norm": float(gnorm)}
                 if (self.world.is_main or self.sharded) and self.eval_every and (
