@@ -62,3 +62,12 @@ def test_export_takes_the_run_folder_and_names_it_when_missing(tmp_path, capsys)
     assert "no config.yaml" in capsys.readouterr().err
     assert main(["export"]) == 2
     assert "overrep export RUN_DIR" in capsys.readouterr().err
+
+
+def test_an_explicit_time_budget_is_not_cut_to_the_default_run_limit():
+    """--time-budget is the budget asked for: it clears recovery.run_limit, which the default
+    run keeps (20 minutes) unless --set names it."""
+    assert _config(build_parser().parse_args(["run"])).recovery.run_limit == "20m"
+    assert _config(build_parser().parse_args(["run", "--time-budget", "30m"])).recovery.run_limit is None
+    kept = build_parser().parse_args(["run", "--time-budget", "30m", "--set", "recovery.run_limit=40m"])
+    assert _config(kept).recovery.run_limit == "40m"

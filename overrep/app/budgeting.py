@@ -67,9 +67,61 @@ MIN_BUDGET_STEPS = 10
 MIN_WARM_BUDGET_STEPS = 20
 
 
+#: the final evaluation's predicted cost is the dense model's times the compact/dense parameter
+#: ratio, times this margin (on a 2-core AVX2 CPU in fp32 the recovered model's evaluation took
+#: 0.71 of the dense one's at a parameter ratio of 0.71)
+FINAL_EVAL_MARGIN = 1.15
+#: the share of ``recovery.run_limit`` kept for the export, the report and what nothing measures
+RUN_LIMIT_RESERVE = 0.03
+
+
+def cut_to_run_limit(budget: float, limit: float, elapsed: float, final_eval: float | None,
+                     where: str = "recovery.run_limit") -> tuple[float, dict]:
+    """The time budget a run affords under a whole-run limit: ``budget`` (seconds), or less
+    where ``limit`` minus what the run has spent (``elapsed``, loading, pruning and the baseline
+    evaluations) and its final evaluation (``final_eval``, predicted; None: unknown, nothing is
+    cut) leaves less. Returns the seconds and the record for ``metrics.json``."""
+    record = {"seconds": limit, "elapsed_before_recovery": round(elapsed, 2),
+              "predicted_final_eval_seconds": None if final_eval is None else round(final_eval, 2),
+              "budget_asked": budget}
+    if final_eval is None:
+        log.warning("%s: the final evaluation's cost is unknown (its dense figures were cached before their cost "
+                    "was recorded), so the time budget is not cut to fit", where)
+        return budget, record
+    left = limit * (1 - RUN_LIMIT_RESERVE) - elapsed - final_eval
+    if left >= budget:
+        return budget, record
+    if left <= 0:
+        raise OverRepError(f"{where} {limit:.0f} s is spent before recovery starts ({elapsed:.0f} s gone, the final "
+                           f"evaluation predicted at {final_eval:.0f} s); raise it, or set it to null to keep the time "
+                           "budget whole")
+    record["cut_to"] = round(left, 2)
+    log.info("time budget cut from %.0f s to %.0f s: the run has spent %.0f s and its final evaluation is predicted "
+             "at %.0f s, within %s %.0f s", budget, left, elapsed, final_eval, where, limit)
+    return left, record
+
+
+def run_limit_budget(p) -> tuple[float | None, dict | None]:
+    """Pipeline ``p``'s time budget under ``recovery.run_limit`` as ``(seconds, record)``, the
+    seconds None where the limit leaves the budget whole; ``(None, None)`` where no limit
+    applies (none set, or a run not started by :meth:`~overrep.app.pipeline.Pipeline.run`).
+    The final evaluation is predicted from the dense model's, scaled by the parameters the
+    compact model keeps; rank 0 decides."""
+    r = p.cfg.recovery
+    if r.run_limit is None or p.run_started is None:
+        return None, None
+    dense = p.eval_cost.get("dense", 0.0) if p.world.is_main else None
+    final = None if dense is None else dense * p.metrics.get("pruned_params", 1) / p.metrics.get(
+        "dense_params", 1) * FINAL_EVAL_MARGIN
+    got = cut_to_run_limit(parse_duration(r.time_budget), parse_duration(r.run_limit, "recovery.run_limit"),
+                           p.recovery_started - p.run_started, final) if p.world.is_main else None
+    seconds, record = p.world.broadcast(got)
+    return (seconds if "cut_to" in record else None), record
+
+
 def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started: float, world: World,
                make_trainer: Callable, resumed_total: int | None, measure: bool = True,
-               prepared: dict | None = None) -> BudgetFit | None:
+               prepared: dict | None = None, seconds: float | None = None) -> BudgetFit | None:
     """``recovery.time_budget`` as a step count (and, for a method on the disk cache, a number
     of training rows), so that the schedules complete inside it, features included.
 
@@ -77,10 +129,12 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
     (:func:`time.perf_counter`); ``make_trainer(objective)``: a trainer for a measurement;
     ``resumed_total``: a resumed run's step count, which is kept; ``prepared``: what the
     closed-form preparation already did to ``inputs.pruned`` (the probe copies it rather than
-    fitting a warm start a second time). None where nothing is decided (``measure=False`` and
+    fitting a warm start a second time); ``seconds``: the budget where :func:`cut_to_run_limit`
+    cut it (None: ``recovery.time_budget``). None where nothing is decided (``measure=False`` and
     nothing to resume)."""
     r = inputs.config
-    budget = parse_duration(r.time_budget)
+    budget = parse_duration(r.time_budget) if seconds is None else seconds
+    asked = r.time_budget if seconds is None else f"{r.time_budget} (cut to {seconds:.0f} s by recovery.run_limit)"
     per_step = r.batch_size * r.grad_accum
     sizes_cache = method.needs_features and cache_mode == "disk"
     info: dict = {"seconds": budget}
@@ -113,7 +167,7 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         if total < floor:  # e.g. a 1-minute warm start on a 2-core CPU: measured far worse than no training
             needed = budget - left + (costs.run_seconds(floor, 0, r.checkpoint_every)
                                       + validations * costs.validation) / 0.97
-            raise OverRepError(f"recovery.time_budget {r.time_budget} leaves {method.name} {total} optimiser step(s) "
+            raise OverRepError(f"recovery.time_budget {asked} leaves {method.name} {total} optimiser step(s) "
                                f"on this machine after its set-up; at least {floor} are needed"
                                f"{' from a warm start' if warm else ''} (about "
                                f"{needed:.0f} s here; recovery.budget_min_steps sets the floor), or use a closed form such "

@@ -111,6 +111,7 @@ class Compare:
             base["cache"]["dir"] = str(self.out / "cache")
         base["eval"].update(latency=False, benchmarks=None, perplexity=True)
         base["prune"]["remove"] = None
+        base["recovery"]["run_limit"] = None  # a cell trains for its budget, never cut to fit a whole-run limit
         self.base = base
 
     # ---- cells ---------------------------------------------------------------------
@@ -139,6 +140,7 @@ class Compare:
         own output folder, and a cache folder inside the grid as a path relative to it), so
         a grid reached by a relative or an absolute path, or moved, finds its cells."""
         out = copy.deepcopy(config)
+        out.get("recovery", {}).pop("run_limit", None)  # never set in a cell (and absent from cells written before it)
         own = out.pop("output", None)  # a written cell's: <grid>/cells/<name>
         root = Path(own).resolve().parents[1] if own else self.out.resolve()
         cache = out.get("cache", {}).get("dir")

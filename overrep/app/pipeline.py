@@ -25,10 +25,8 @@ from .. import __version__
 from ..atomic import write_json
 from ..core.precision import resolve_model_dtype, resolve_precision
 from ..data.text import token_splits
-from ..eval.figures import eval_data, model_benchmarks, model_figures
-from ..eval.retained import retained_performance
+from ..eval.figures import eval_data
 from ..eval.heldout import unseen_domain_rows
-from ..eval.measure import generation_latency
 from ..model.accounting import blocks_for_ratio, pruning_account
 from ..model.arch import check_supported, decoder_layers
 from ..model.loading import load_model
@@ -37,21 +35,22 @@ from ..model.placement import is_placed, placed_copy, teacher_placement
 from ..model.runtime import check_finite, digest, model_fingerprint, peak_memory_bytes, resolve_device
 from ..model.surgery import parse_layers, plan_pruning, prune
 from ..model.presets import get_preset
-from ..model.wrap import count_parameters, plan_recovery
+from ..model.wrap import plan_recovery
 from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION, Selection
-from ..recovery.budget import Deadline, parse_duration
+from ..recovery.budget import Deadline
 from ..recovery.methods import build_recovery, get_method, prepare_closed_form, resolve_warm_start
 from ..recovery.teacher import MethodInputs, Teacher
 from ..recovery.sharding import gather, shard_objective
 from ..recovery.trainer import Trainer
 from ..paths import cache_root
 from ..distributed import World, world_from_env
-from .budgeting import BudgetFit, budget_outcome, checkpointed_total, compute_spent, fit_budget
+from .budgeting import BudgetFit, budget_outcome, checkpointed_total, compute_spent, fit_budget, run_limit_budget
 from .config import RunConfig
 from .export import export_checked, export_model
 from .outdir import RunFolder
 from .runinfo import environment, how_it_ran
+from .scoring import score_model
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +69,8 @@ class Pipeline:
         self.metrics: dict = {}
         self.timings: dict[str, float] = {}
         self.benchmark_results: dict[str, dict] = {}
+        self.eval_cost: dict[str, float | None] = {}  # evaluate_model: seconds each model's figures cost (cached or not)
+        self.run_started: float | None = None  # run(): when the whole run began (recovery.run_limit)
         # what the stages produce, set by them in this order (None until a stage has run):
         self.folder: RunFolder | None = None  # prepare_output (rank 0)
         self.device = self.dense = self.tokenizer = self.model_info = self._offload = self.num_layers = None  # load
@@ -237,36 +238,8 @@ class Pipeline:
                                       "after": self.plan.widths()}
 
     def evaluate_model(self, model, tag: str) -> None:
-        if not self.world.is_main:
-            return
-        ev = self.cfg.eval
-        t0 = time.perf_counter()
-        mask, root = tag != "dense" and self.plan.to_dict(), None if tag == "recovered" else self.cache_root
-        if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
-            data = self.eval_data.baseline() if tag == "pruned" and ev.unrecovered == "test" else self.eval_data
-            self.metrics["eval_precision"] = precision = resolve_precision(ev.precision, self.device)
-            found, scores = model_figures(model, self.tokenizer, data, tag=tag, progress=self.progress,
-                                          source=self.model_info["source"], mask=mask, root=root,
-                                          dense=self.dense_scores, precision=precision)  # raises on a non-finite perplexity
-            self.metrics.update(found)
-            self.dense_scores = scores if tag == "dense" else self.dense_scores
-        if ev.latency and not onload.is_onloaded(model):  # generating would read every block per token
-            lat = generation_latency(model, self.tokenizer, ev.sample_prompt, ev.latency_tokens)
-            self.metrics[f"{tag}_latency_s_per_token"] = lat["seconds_per_token"]
-            self.metrics.setdefault("samples", {})[tag] = lat["text"]
-        if ev.benchmarks and not onload.is_onloaded(model):
-            results = model_benchmarks(model, self.tokenizer, tasks=ev.benchmarks, limit=ev.benchmark_limit,
-                                       output=self.out / "benchmarks" / f"{tag}.json", progress=self.progress,
-                                       source=self.model_info["source"], mask=mask, root=root)
-            self.benchmark_results[tag] = results
-            self.metrics.setdefault("benchmarks", {})[tag] = {
-                b: r.get("value") for b, r in results["tasks"].items() if r.get("status") == "ok"}
-            if tag != "dense" and "dense" in self.benchmark_results:
-                rp = retained_performance(results, self.benchmark_results["dense"])
-                self.metrics.setdefault("retained_performance", {})[tag] = {
-                    suite: v.get("rp") for suite, v in rp.items()}
-        self.metrics[f"{tag}_params"] = count_parameters(model)
-        self.timings[f"eval_{tag}"] = time.perf_counter() - t0
+        """The figures of the dense, pruned or recovered model (:func:`.scoring.score_model`)."""
+        score_model(self, model, tag)
 
     # ---- stage 3: the recovery method and its data -------------------------------
     def build_recovery(self, with_data: bool = True) -> None:
@@ -278,10 +251,13 @@ class Pipeline:
         r = self.cfg.recovery
         prepared = prepare_closed_form(self.method_inputs(), self.method)  # once, in the budget, before its probe
         if r.time_budget is not None and r.steps is None and self.method.trains:  # (a closed form: no steps)
+            seconds, limit = run_limit_budget(self) if with_data else (None, None)
             self.budget = fit_budget(self.method, self.method_inputs(), cache_mode=self.cfg.cache.mode, started=t0,
                                      world=self.world, resumed_total=checkpointed_total(self.out) if self.resume
                                      else None, make_trainer=lambda objective: self.make_trainer(objective, False),
-                                     measure=with_data, prepared=prepared)
+                                     measure=with_data, prepared=prepared, seconds=seconds)
+            if self.budget is not None and limit is not None:
+                self.budget.info["run_limit"] = limit
         if self.budget is not None:
             self.total_steps = self.budget.steps
             if self.budget.rows is not None:
@@ -358,7 +334,7 @@ class Pipeline:
         self.trainer = trainer = self.make_trainer()
         trainer.budget_clock = None if self.budget is None else self.recovery_started  # carried across a resume
         if self.budget is not None and self.budget.costs is not None and trainer.step == 0:  # re-fit once it runs
-            trainer.deadline = Deadline(self.recovery_started + parse_duration(r.time_budget), self.budget.costs,
+            trainer.deadline = Deadline(self.recovery_started + self.budget.info["seconds"], self.budget.costs,
                                         trainer.eval_every, r.checkpoint_every)
         result = trainer.run()
         gather(self.recovery.objective)  # recovery.shard: fsdp -- full plain blocks again, for the merge
@@ -419,6 +395,7 @@ class Pipeline:
             self.merge()
 
     def run(self) -> dict:
+        self.run_started = time.perf_counter()
         self.prepare_output()
         try:
             with self.output_guard():

@@ -77,6 +77,23 @@ def _warm_start_line(w: dict | None) -> list[str]:
             f"(`recovery.warm_start: {w['setting']}`){layout}"]
 
 
+def _budget_line(b: dict | None) -> list[str]:
+    """The time budget, one line, saying where ``recovery.run_limit`` cut it."""
+    if not b:
+        return []
+    def sec(v: float) -> str:
+        return f"{v:,.0f}" if v >= 10 else _fmt(v, 3)
+
+    used = f", {sec(b['used_seconds'])} s used" if b.get("used_seconds") is not None else ""
+    limit = b.get("run_limit") or {}
+    if limit.get("cut_to") is None:
+        return [f"- time budget {sec(b['seconds'])} s (features and training){used}"]
+    return [f"- time budget {sec(b['seconds'])} s (features and training){used}: cut from "
+            f"{sec(limit['budget_asked'])} s so that the whole run ends within `recovery.run_limit` "
+            f"({sec(limit['seconds'])} s): {sec(limit['elapsed_before_recovery'])} s spent before recovery, the "
+            f"final evaluation predicted at {sec(limit['predicted_final_eval_seconds'])} s"]
+
+
 def _selection_line(sel: dict | None) -> list[str]:
     if not sel:
         return []
@@ -203,6 +220,7 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         *_warm_start_line(m.get("warm_start")),
         f"- {m.get('train_steps')} steps, {_fmt(m.get('train_seconds'), 3)} s, "
         f"{_fmt(m.get('train_tokens_per_second'), 4)} tokens/s",
+        *_budget_line(m.get("time_budget")),
         f"- final training {loss} {_fmt(m.get('final_train_loss'))}, validation {_fmt(m.get('final_val_loss'))}",
         *_selection_line(m.get("keep_best")),
         (f"- fold: {m.get('merged_wrappers') or 'adapter'} modules folded, max abs difference "

@@ -19,6 +19,7 @@ so a second run with the same model, mask and data reads them back.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -107,10 +108,15 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     Metrics entries: ``{tag}_ppl`` (test perplexity), ``{tag}_ppl_domains`` (per test domain
     and unseen corpus), ``{tag}_perplexity`` (``validation`` and ``test`` as ``{value, low,
     high, tokens, documents}``, ``domains``, ``unseen`` and, given the dense scores,
-    ``test_vs_dense``: the paired ratio and difference) and ``{tag}_generation``.
+    ``test_vs_dense``: the paired ratio and difference) and ``{tag}_generation``. Scores carry
+    ``seconds``, what computing them cost (read back with a cached entry; absent from entries
+    older than that field).
     """
     def compute() -> dict:
-        return score(model, tokenizer, data, desc=tag, progress=progress, precision=precision)
+        t0 = time.perf_counter()
+        scores = score(model, tokenizer, data, desc=tag, progress=progress, precision=precision)
+        scores["seconds"] = time.perf_counter() - t0  # what scoring cost, kept with a cached entry
+        return scores
 
     if root is None:
         scores = compute()
@@ -150,7 +156,7 @@ def model_benchmarks(model, tokenizer, *, tasks, limit, output: Path, source: st
                      root: Path | None, progress: bool = False) -> dict:
     """:func:`overrep.eval.lmeval.evaluate_benchmarks` of one model, written to ``output``;
     read back from ``root`` (``None``: never cached) when the same model, mask, tasks, limit
-    and library versions were scored before."""
+    and library versions were scored before (``results["seconds"]``: what scoring them cost)."""
     import json
 
     from .harness import library_versions

@@ -30,6 +30,7 @@ class TrainingOptions:
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)
     time_budget: str | None = "12m"  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
+    run_limit: str | None = "20m"  # the whole `overrep run`'s wall-clock (loading, evaluation and export; not installation): a time budget is cut to what it leaves after the final evaluation, predicted from the dense model's (docs/configuration.md, "Time budgets"); None: the budget alone. --time-budget clears it (that budget is what was asked for); `overrep compare`'s cells never use it
     budget_passes: float = 6.0  # time budget, methods on cached features: passes over each cached row the step count is planned for (at most data.train_sequences rows: a long budget caches them all and passes more often); fewer rows seen more often buy steps where features are dear: 6 (was 1) measured better on validation at 2.5 minutes in bf16 and in fixed-step fp32 cells, level in budgeted fp32 runs (docs/results.md, "Rows against steps")
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
@@ -58,6 +59,8 @@ class TrainingOptions:
             raise OverRepError(f"recovery.steps must be >= 1, got {self.steps}")
         if self.time_budget is not None:
             parse_duration(self.time_budget)
+        if self.run_limit is not None:
+            parse_duration(self.run_limit, "recovery.run_limit")
         if not (self.budget_passes >= 1 and math.isfinite(self.budget_passes)):
             raise OverRepError(f"recovery.budget_passes must be a number >= 1, got {self.budget_passes}")
         if not 0 <= self.validation_share < 1:

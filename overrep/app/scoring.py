@@ -1,0 +1,60 @@
+"""The figures of one model in a run: held-out perplexity with intervals (paired with the
+dense model's), the generation check, latency and lm-eval benchmarks with retained
+performance, each read from the run's cache where the same model was scored before.
+
+What each model's figures cost to compute is kept (``Pipeline.eval_cost``, cached figures at
+what they cost when computed): a whole-run limit (``recovery.run_limit``) predicts the final
+evaluation from the dense model's.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..core.precision import resolve_precision
+from ..eval.figures import model_benchmarks, model_figures
+from ..eval.measure import generation_latency
+from ..eval.retained import retained_performance
+from ..model import onload
+from ..model.wrap import count_parameters
+
+
+def score_model(p, model, tag: str) -> None:
+    """Pipeline ``p``'s figures of ``model`` ("dense", "pruned" or "recovered") into
+    ``p.metrics``, its time into ``p.timings`` and its cost into ``p.eval_cost`` (None where a
+    cached part predates its cost being recorded). Rank 0 only."""
+    if not p.world.is_main:
+        return
+    ev = p.cfg.eval
+    t0, cost = time.perf_counter(), 0.0  # cost: what the figures cost to compute, cached ones included
+    mask, root = tag != "dense" and p.plan.to_dict(), None if tag == "recovered" else p.cache_root
+    if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
+        data = p.eval_data.baseline() if tag == "pruned" and ev.unrecovered == "test" else p.eval_data
+        p.metrics["eval_precision"] = precision = resolve_precision(ev.precision, p.device)
+        found, scores = model_figures(model, p.tokenizer, data, tag=tag, progress=p.progress,
+                                      source=p.model_info["source"], mask=mask, root=root,
+                                      dense=p.dense_scores, precision=precision)  # raises on a non-finite perplexity
+        p.metrics.update(found)
+        p.dense_scores = scores if tag == "dense" else p.dense_scores
+        cost = scores.get("seconds")  # None: cached before that was recorded
+    if ev.latency and not onload.is_onloaded(model):  # generating would read every block per token
+        t1 = time.perf_counter()
+        lat = generation_latency(model, p.tokenizer, ev.sample_prompt, ev.latency_tokens)
+        p.metrics[f"{tag}_latency_s_per_token"] = lat["seconds_per_token"]
+        p.metrics.setdefault("samples", {})[tag] = lat["text"]
+        cost = None if cost is None else cost + time.perf_counter() - t1
+    if ev.benchmarks and not onload.is_onloaded(model):
+        results = model_benchmarks(model, p.tokenizer, tasks=ev.benchmarks, limit=ev.benchmark_limit,
+                                   output=p.out / "benchmarks" / f"{tag}.json", progress=p.progress,
+                                   source=p.model_info["source"], mask=mask, root=root)
+        p.benchmark_results[tag] = results
+        cost = None if cost is None or results.get("seconds") is None else cost + results["seconds"]
+        p.metrics.setdefault("benchmarks", {})[tag] = {
+            b: r.get("value") for b, r in results["tasks"].items() if r.get("status") == "ok"}
+        if tag != "dense" and "dense" in p.benchmark_results:
+            rp = retained_performance(results, p.benchmark_results["dense"])
+            p.metrics.setdefault("retained_performance", {})[tag] = {
+                suite: v.get("rp") for suite, v in rp.items()}
+    p.metrics[f"{tag}_params"] = count_parameters(model)
+    p.timings[f"eval_{tag}"] = time.perf_counter() - t0
+    p.eval_cost[tag] = cost

@@ -1,0 +1,77 @@
+"""recovery.run_limit: a whole run's wall-clock, which cuts the time budget to what it leaves
+after the final evaluation (predicted from the dense model's)."""
+
+from __future__ import annotations
+
+import pytest
+
+from overrep.app.budgeting import RUN_LIMIT_RESERVE, cut_to_run_limit
+from overrep.app.pipeline import Pipeline
+from overrep.errors import OverRepError
+
+from tiny import tiny_cfg
+
+
+def test_a_budget_with_room_is_kept_whole():
+    seconds, record = cut_to_run_limit(720, 1200, elapsed=200, final_eval=150)
+    assert seconds == 720 and "cut_to" not in record
+    assert record["predicted_final_eval_seconds"] == 150 and record["budget_asked"] == 720
+
+
+def test_a_budget_without_room_is_cut_to_what_the_limit_leaves():
+    # a 2-core AVX2 CPU's default run: 539 s before recovery, the final evaluation ~285 s
+    seconds, record = cut_to_run_limit(720, 1200, elapsed=539, final_eval=285)
+    assert seconds == pytest.approx(1200 * (1 - RUN_LIMIT_RESERVE) - 539 - 285)
+    assert record["cut_to"] == pytest.approx(seconds, abs=0.01)
+
+
+def test_a_limit_spent_before_recovery_is_one_clear_error():
+    with pytest.raises(OverRepError, match=r"recovery.run_limit 600 s is spent before recovery starts \(700 s gone"):
+        cut_to_run_limit(720, 600, elapsed=700, final_eval=100)
+
+
+def test_an_unknown_final_evaluation_cuts_nothing():
+    seconds, record = cut_to_run_limit(720, 1200, elapsed=900, final_eval=None)
+    assert seconds == 720 and record["predicted_final_eval_seconds"] is None
+
+
+def test_a_run_under_a_limit_records_it_and_predicts_its_final_evaluation(assets, tmp_path):
+    """The default path: the figures' cost is kept (also with a cached entry, read back at what
+    computing it cost), the prediction is the dense model's cost scaled by the parameters kept,
+    and a limit with room leaves the budget whole."""
+    kw = dict(recovery__steps=None, recovery__time_budget="3s", recovery__run_limit="1h", recovery__warm_start="none")
+    m = Pipeline(tiny_cfg(assets, tmp_path / "a", **kw), progress=False).run()
+    limit = m["time_budget"]["run_limit"]
+    assert m["time_budget"]["seconds"] == 3 and "cut_to" not in limit and limit["seconds"] == 3600
+    assert 0 < limit["predicted_final_eval_seconds"] and 0 < limit["elapsed_before_recovery"] < 3600
+    # a second run reads the dense figures from the cache, at the cost they had: the same prediction's basis
+    again = Pipeline(tiny_cfg(assets, tmp_path / "b", **kw), progress=False)
+    again.run()
+    assert again.eval_cost["dense"] == pytest.approx(limit["predicted_final_eval_seconds"] / (
+        m["pruned_params"] / m["dense_params"]) / 1.15, rel=0.5)
+    assert again.timings["eval_dense"] < again.eval_cost["dense"]  # read back, not recomputed
+
+
+def test_a_cut_budget_is_the_budget_the_run_trains_to_and_reports(assets, tmp_path, monkeypatch):
+    """Where the limit leaves less than the budget, the probe, the deadline and the report all
+    use the cut budget (the arithmetic is the unit tests' above; here the wiring)."""
+    import overrep.app.budgeting as budgeting
+
+    seen = {}
+
+    def cut(budget, limit, elapsed, final_eval, where="recovery.run_limit"):
+        seen.update(budget=budget, limit=limit, elapsed=elapsed, final=final_eval)
+        return 2.0, {"seconds": limit, "elapsed_before_recovery": elapsed, "predicted_final_eval_seconds": final_eval,
+                     "budget_asked": budget, "cut_to": 2.0}
+
+    monkeypatch.setattr(budgeting, "cut_to_run_limit", cut)
+    monkeypatch.setattr(budgeting, "MIN_BUDGET_STEPS", 1)
+    out = tmp_path / "cut"
+    m = Pipeline(tiny_cfg(assets, out, recovery__steps=None, recovery__time_budget="1h", recovery__run_limit="20m",
+                          recovery__warm_start="none"), progress=False).run()
+    assert seen["budget"] == 3600 and seen["limit"] == 1200 and seen["elapsed"] > 0 and seen["final"] > 0
+    tb = m["time_budget"]
+    assert tb["seconds"] == 2.0 and tb["run_limit"]["cut_to"] == 2.0
+    assert tb["used_seconds"] <= 2.0 * 1.5  # trained to the cut budget's deadline, not the hour asked for
+    assert "cut from 3,600 s so that the whole run ends within `recovery.run_limit` (1,200 s)" in (
+        out / "report.md").read_text()
