@@ -64,10 +64,9 @@ def test_export_takes_the_run_folder_and_names_it_when_missing(tmp_path, capsys)
     assert "overrep export RUN_DIR" in capsys.readouterr().err
 
 
-def test_an_explicit_time_budget_is_not_cut_to_the_default_run_limit():
-    """--time-budget is the budget asked for: it clears recovery.run_limit, which the default
-    run keeps (20 minutes) unless --set names it."""
-    assert _config(build_parser().parse_args(["run"])).recovery.run_limit == "20m"
-    assert _config(build_parser().parse_args(["run", "--time-budget", "30m"])).recovery.run_limit is None
-    kept = build_parser().parse_args(["run", "--time-budget", "30m", "--set", "recovery.run_limit=40m"])
-    assert _config(kept).recovery.run_limit == "40m"
+def test_the_whole_run_limit_is_off_unless_asked_for():
+    """recovery.run_limit cuts the time budget: off by default (cut to 20 minutes, the
+    default's training on a 2-core AVX2 CPU measured 4.06x dense against 1.66x uncut)."""
+    assert _config(build_parser().parse_args(["run"])).recovery.run_limit is None
+    limited = build_parser().parse_args(["run", "--time-budget", "30m", "--set", "recovery.run_limit=20m"])
+    assert _config(limited).recovery.run_limit == "20m" and _config(limited).recovery.time_budget == "30m"

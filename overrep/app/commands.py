@@ -41,8 +41,6 @@ def _config(args):
             if key in given:
                 raise OverRepError(f"--{flag.replace('_', '-')} and --set {key}=... both set {key}; give one")
             overrides.append(f"{key}={getattr(args, flag)}")
-    if getattr(args, "time_budget", None) is not None and "recovery.run_limit" not in given:
-        overrides.append("recovery.run_limit=null")  # the budget asked for, not cut to the default run's 20 minutes
     if getattr(args, "ratio", None) is not None:
         overrides += [f"prune.ratio={args.ratio}", "prune.remove=null"]
     if getattr(args, "remove", None) is not None:
