@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from overrep.app.budgeting import RUN_LIMIT_RESERVE, cut_to_run_limit
+from overrep.app.budgeting import FINAL_EVAL_MARGIN, RUN_LIMIT_RESERVE, cut_to_run_limit
 from overrep.app.pipeline import Pipeline
 from overrep.errors import OverRepError
 
@@ -36,9 +36,9 @@ def test_an_unknown_final_evaluation_cuts_nothing():
 
 
 def test_a_run_under_a_limit_records_it_and_predicts_its_final_evaluation(assets, tmp_path):
-    """The default path: the figures' cost is kept (also with a cached entry, read back at what
-    computing it cost), the prediction is the dense model's cost scaled by the parameters kept,
-    and a limit with room leaves the budget whole."""
+    """The figures' cost is kept (a cached entry is read back at what computing it cost), the
+    prediction is the dense model's cost scaled by the parameters kept, and a limit with room
+    leaves the budget whole."""
     kw = dict(recovery__steps=None, recovery__time_budget="3s", recovery__run_limit="1h", recovery__warm_start="none")
     first = Pipeline(tiny_cfg(assets, tmp_path / "a", **kw), progress=False)
     m = first.run()
@@ -46,13 +46,13 @@ def test_a_run_under_a_limit_records_it_and_predicts_its_final_evaluation(assets
     assert m["time_budget"]["seconds"] == 3 and "cut_to" not in limit and limit["seconds"] == 3600
     assert 0 < limit["elapsed_before_recovery"] < 3600
     assert limit["predicted_final_eval_seconds"] == pytest.approx(
-        first.eval_cost["dense"] * m["pruned_params"] / m["dense_params"] * 1.15, abs=0.01)
+        first.eval_cost["dense"] * m["pruned_params"] / m["dense_params"] * FINAL_EVAL_MARGIN, abs=0.01)
     # a second run reads the dense figures from the cache, with what computing them cost then
     again = Pipeline(tiny_cfg(assets, tmp_path / "b", **kw), progress=False)
     again.run()
     computed = first.dense_scores["seconds"]
     assert again.dense_scores["seconds"] == computed > 0
-    assert again.eval_cost["dense"] >= computed > again.timings["eval_dense"] - (again.eval_cost["dense"] - computed)
+    assert again.eval_cost["dense"] >= computed  # the cached scoring's cost, plus what ran anew (latency)
 
 
 def test_a_cut_budget_is_the_budget_the_run_trains_to_and_reports(assets, tmp_path, monkeypatch):
@@ -62,7 +62,7 @@ def test_a_cut_budget_is_the_budget_the_run_trains_to_and_reports(assets, tmp_pa
 
     seen = {}
 
-    def cut(budget, limit, elapsed, final_eval, where="recovery.run_limit"):
+    def cut(budget, limit, elapsed, final_eval):
         seen.update(budget=budget, limit=limit, elapsed=elapsed, final=final_eval)
         return 2.0, {"seconds": limit, "elapsed_before_recovery": elapsed, "predicted_final_eval_seconds": final_eval,
                      "budget_asked": budget, "cut_to": 2.0}

@@ -75,8 +75,7 @@ FINAL_EVAL_MARGIN = 1.15
 RUN_LIMIT_RESERVE = 0.03
 
 
-def cut_to_run_limit(budget: float, limit: float, elapsed: float, final_eval: float | None,
-                     where: str = "recovery.run_limit") -> tuple[float, dict]:
+def cut_to_run_limit(budget: float, limit: float, elapsed: float, final_eval: float | None) -> tuple[float, dict]:
     """The time budget a run affords under a whole-run limit: ``budget`` (seconds), or less
     where ``limit`` minus what the run has spent (``elapsed``, loading, pruning and the baseline
     evaluations) and its final evaluation (``final_eval``, predicted; None: unknown, nothing is
@@ -85,19 +84,19 @@ def cut_to_run_limit(budget: float, limit: float, elapsed: float, final_eval: fl
               "predicted_final_eval_seconds": None if final_eval is None else round(final_eval, 2),
               "budget_asked": budget}
     if final_eval is None:
-        log.warning("%s: the final evaluation's cost is unknown (its dense figures were cached before their cost "
-                    "was recorded), so the time budget is not cut to fit", where)
+        log.warning("recovery.run_limit: the final evaluation's cost is unknown (its dense figures were cached "
+                    "before their cost was recorded), so the time budget is not cut to fit")
         return budget, record
     left = limit * (1 - RUN_LIMIT_RESERVE) - elapsed - final_eval
     if left >= budget:
         return budget, record
     if left <= 0:
-        raise OverRepError(f"{where} {limit:.0f} s is spent before recovery starts ({elapsed:.0f} s gone, the final "
+        raise OverRepError(f"recovery.run_limit {limit:.0f} s is spent before recovery starts ({elapsed:.0f} s gone, the final "
                            f"evaluation predicted at {final_eval:.0f} s); raise it, or set it to null to keep the time "
                            "budget whole")
     record["cut_to"] = round(left, 2)
     log.info("time budget cut from %.0f s to %.0f s: the run has spent %.0f s and its final evaluation is predicted "
-             "at %.0f s, within %s %.0f s", budget, left, elapsed, final_eval, where, limit)
+             "at %.0f s, within recovery.run_limit %.0f s", budget, left, elapsed, final_eval, limit)
     return left, record
 
 
@@ -111,8 +110,7 @@ def run_limit_budget(p) -> tuple[float | None, dict | None]:
     if r.run_limit is None or p.run_started is None:
         return None, None
     dense = p.eval_cost.get("dense", 0.0) if p.world.is_main else None
-    final = None if dense is None else dense * p.metrics.get("pruned_params", 1) / p.metrics.get(
-        "dense_params", 1) * FINAL_EVAL_MARGIN
+    final = None if dense is None else dense * p.metrics["pruned_params"] / p.metrics["dense_params"] * FINAL_EVAL_MARGIN
     got = cut_to_run_limit(parse_duration(r.time_budget), parse_duration(r.run_limit, "recovery.run_limit"),
                            p.recovery_started - p.run_started, final) if p.world.is_main else None
     seconds, record = p.world.broadcast(got)

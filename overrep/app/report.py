@@ -81,6 +81,7 @@ def _budget_line(b: dict | None) -> list[str]:
     """The time budget, one line, saying where ``recovery.run_limit`` cut it."""
     if not b:
         return []
+
     def sec(v: float) -> str:
         return f"{v:,.0f}" if v >= 10 else _fmt(v, 3)
 
