@@ -209,14 +209,18 @@ def test_a_budgeted_run_validates_as_often_as_its_share_allows(assets, tmp_path,
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.1, 1.0, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 6)
     monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 3)  # re-fit at step 3: still 6
-    for share, expected in ((0.1, [3, 6]), (0.0, [])):
-        out = tmp_path / str(share)
+    # a warm start also scores its closed form before step 1 and always its last step
+    # (recovery.keep_best's guard), whatever the share affords
+    for warm, share, expected, every in (("none", 0.1, [3, 6], 3), ("none", 0.0, [], 0), ("replaceme", 0.0, [6], 6),
+                                         ("replaceme", 0.1, [3, 6], 3)):
+        out = tmp_path / f"{warm}-{share}"
         m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                              recovery__time_budget="20s", recovery__eval_every=1, recovery__validation_share=share),
-                     progress=False).run()
+                              recovery__time_budget="20s", recovery__eval_every=1, recovery__validation_share=share,
+                              recovery__warm_start=warm), progress=False).run()
         log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
         assert [r["step"] for r in log if r.get("val_ppl") is not None] == expected
-        assert m["time_budget"]["eval_every"] == (3 if expected else 0)
+        assert m["time_budget"]["eval_every"] == every
+        assert ("start_val_ppl" in (m["keep_best"] or {})) == (warm != "none")
 
 
 def test_the_deadline_refits_steps_to_the_observed_step_time():

@@ -146,3 +146,35 @@ def test_export_from_checkpoints_keeps_the_chosen_step(assets, tmp_path, scripte
     after = load_file(out / "model" / "model.safetensors")
     for k in before:
         assert torch.equal(before[k], after[k]), k
+
+
+def test_a_warm_start_can_end_at_the_closed_form_it_started_from(assets, tmp_path, scripted):
+    # training that never beats the closed form on validation ships the closed form itself
+    scripted["script"] = {0: 3.0, **{s: 10.0 - s / 10 for s in range(1, 7)}}
+    out = tmp_path / "w"
+    m = Pipeline(tiny_cfg(assets, out, recovery__steps=6, recovery__eval_every=2, recovery__warm_start="replaceme",
+                          eval__latency=False), progress=False).run()
+    assert m["warm_start"]["used"] == "replaceme"
+    assert m["keep_best"] == {"step": 0, "val_ppl": 3.0, "last_step": 6, "last_val_ppl": 9.4, "start_val_ppl": 3.0}
+    assert "kept the closed form it started from" in (out / "report.md").read_text()
+    closed = tmp_path / "c"  # the same closed form, fitted with no training at all
+    Pipeline(tiny_cfg(assets, closed, recovery__method="replaceme", eval__latency=False), progress=False).run()
+    a, b = load_file(closed / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=0), k
+
+
+def test_training_that_passes_the_closed_form_keeps_its_step_and_says_what_it_beat(assets, tmp_path, scripted):
+    scripted["script"] = {0: 9.0, 2: 8.0, 4: 5.0, 6: 6.0}
+    m = Pipeline(tiny_cfg(assets, tmp_path / "p", recovery__method="plain", recovery__steps=6, recovery__eval_every=2,
+                          recovery__warm_start="replaceme", eval__latency=False), progress=False).run()
+    assert m["keep_best"] == {"step": 4, "val_ppl": 5.0, "last_step": 6, "last_val_ppl": 6.0, "start_val_ppl": 9.0}
+    assert "the closed form it started from: 9" in (tmp_path / "p" / "report.md").read_text()
+
+
+def test_a_cold_start_does_not_score_its_start(assets, tmp_path, scripted):
+    scripted["script"] = {2: 8.0, 4: 5.0}
+    m = Pipeline(tiny_cfg(assets, tmp_path / "c", recovery__steps=4, recovery__eval_every=2,
+                          recovery__warm_start="none", eval__latency=False), progress=False).run()
+    assert 0 not in scripted["seen"] and "start_val_ppl" not in m["keep_best"]

@@ -158,13 +158,19 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
                      ("validation_seconds", costs.validation), ("checkpoint_seconds", costs.checkpoint),
                      ("feature_seconds_per_row", costs.row)) if v})
         validations = validation_plan(budget, r.validation_share, costs)
-        # 3% kept for what is not measured; the trainer re-fits once it has timed real steps
-        total = world.broadcast(fit_steps(0.97 * left - validations * costs.validation, costs, 0, r.checkpoint_every))
         warm = bool((prepared or {}).get("warm_start"))
+        # recovery.keep_best after a warm start: the closed form is scored before the first step
+        # (Trainer.score_the_start) and the last step after it, whatever validation_share affords,
+        # so that a budget too short for training to pass the closed form ships the closed form
+        guard = warm and r.keep_best
+        validations = max(validations, int(guard))
+        scored = validations + int(guard)
+        # 3% kept for what is not measured; the trainer re-fits once it has timed real steps
+        total = world.broadcast(fit_steps(0.97 * left - scored * costs.validation, costs, 0, r.checkpoint_every))
         floor = r.budget_min_steps or (MIN_WARM_BUDGET_STEPS if warm else MIN_BUDGET_STEPS)
         if total < floor:  # e.g. a 1-minute warm start on a 2-core CPU: measured far worse than no training
             needed = budget - left + (costs.run_seconds(floor, 0, r.checkpoint_every)
-                                      + validations * costs.validation) / 0.97
+                                      + scored * costs.validation) / 0.97
             raise OverRepError(f"recovery.time_budget {asked} leaves {method.name} {total} optimiser step(s) "
                                f"on this machine after its set-up; at least {floor} are needed"
                                f"{' from a warm start' if warm else ''} (about "

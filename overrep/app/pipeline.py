@@ -333,6 +333,7 @@ class Pipeline:
             return self.metrics.update(train_steps=0, train_seconds=0.0)
         self.trainer = trainer = self.make_trainer()
         trainer.budget_clock = None if self.budget is None else self.recovery_started  # carried across a resume
+        trainer.score_start = self.rcfg.warm_start != "none"  # recovery.keep_best may keep the closed form
         if self.budget is not None and self.budget.costs is not None and trainer.step == 0:  # re-fit once it runs
             trainer.deadline = Deadline(self.recovery_started + self.budget.info["seconds"], self.budget.costs,
                                         trainer.eval_every, r.checkpoint_every)

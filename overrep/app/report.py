@@ -102,10 +102,15 @@ def _selection_line(sel: dict | None) -> list[str]:
         return [f"- the last step was not validated (no room before the deadline); the last validation, at step "
                 f"{sel.get('validated_step')}, scored {_fmt(sel.get('validated_ppl'))} (the report's validation "
                 "column scores the model exported)"]
+    start = f"; the closed form it started from: {_fmt(sel['start_val_ppl'])}" if "start_val_ppl" in sel else ""
     if sel["step"] == sel["last_step"]:
-        return [f"- validation perplexity {_fmt(sel['val_ppl'])} at the last step (the best foldable one)"]
+        return [f"- validation perplexity {_fmt(sel['val_ppl'])} at the last step (the best foldable one{start})"]
+    if sel["step"] == 0:
+        return [f"- kept the closed form it started from (validation perplexity {_fmt(sel['val_ppl'])}): training's "
+                f"last step {sel['last_step']} scored {_fmt(sel['last_val_ppl'])}, worse (`recovery.keep_best`; "
+                "a longer time budget lets training pass it)"]
     return [f"- kept step {sel['step']} (validation perplexity {_fmt(sel['val_ppl'])}), not the last step "
-            f"{sel['last_step']} ({_fmt(sel['last_val_ppl'])}): `recovery.keep_best`"]
+            f"{sel['last_step']} ({_fmt(sel['last_val_ppl'])}{start}): `recovery.keep_best`"]
 
 
 def _fig(m: dict, tag: str, *path) -> dict | None:

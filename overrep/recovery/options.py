@@ -47,8 +47,8 @@ class TrainingOptions:
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
     eval_every: int = 50  # steps between validation measurements (val_loss; val_ppl on data.validation_sequences rows); a time-budgeted run sets its own (validation_share)
     budget_min_steps: int | None = None  # time budget: the fewest optimiser steps it may leave, else the run stops with an error before training (None: 10, and 20 from a warm start: fewer measured worse than its own closed form, docs/closed-forms.md)
-    validation_share: float = 0.05  # time-budgeted runs: the most of the budget the validations during training (keep_best, val_ppl in the log) may take, spread evenly, the last at the end; none where one does not fit (the report scores the validation rows anyway)
-    keep_best: bool = True  # end at the checkpoint of lowest val_ppl (among those that fold exactly: alpha = 0) when it beats the last step; needs validation rows
+    validation_share: float = 0.05  # time-budgeted runs: the most of the budget the validations during training (keep_best, val_ppl in the log) may take, spread evenly, the last at the end; none where one does not fit (the report scores the validation rows anyway), except that a warm start with keep_best always validates its start and its last step
+    keep_best: bool = True  # end at the checkpoint of lowest val_ppl (among those that fold exactly: alpha = 0) when it beats the last step, a warm start's closed form (step 0) among them; needs validation rows
     threads: int | None = None  # torch CPU threads (None = torch's default)
     precision: str = "auto"  # training forward of every method: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32" | "auto" (bf16 where the device has bf16 instructions: AVX512-BF16/AMX CPUs, GPUs; else fp32); see docs/speed.md
     shard: str = "none"  # several ranks (torchrun), methods on cached features: "none" (every rank holds the recovery modules, gradients all-reduced) | "fsdp" (W, D and the recovery blocks sharded over the ranks by torch FSDP2; README "Scaling")

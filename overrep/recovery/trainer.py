@@ -13,15 +13,8 @@ Resume is exact: the batch order is a pure function of (seed, epoch), and a chec
 holds the trainable tensors, the optimiser, the step and the history, so a run killed
 at any point and resumed reaches the same weights as one that never stopped.
 
-``recovery.keep_best``: every validation scores the perplexity of the model with the
-recovery in place on the validation rows (training documents no training row uses; never
-the held-out rows the report scores). The run ends at the scored step of lowest
-perplexity among those whose weights fold exactly (every annealed activation at α = 0, so
-only the final linear phase of an OverRep run; any step of a method without annealing)
-when it beats the last step, and records which in ``selected``. A layer-wise loss can
-keep falling while the language model gets worse (docs/results-former-protocol.md, Streamline at 10
-minutes); this is the guard. The best weights are held as a host (CPU) copy, this rank's
-shard of them under FSDP, so the guard costs no accelerator memory.
+``recovery.keep_best`` (:mod:`overrep.recovery.keep_best`): the run ends at its best validated
+step that folds exactly; a warm start's closed form, scored before the first step, is a candidate.
 """
 
 from __future__ import annotations
@@ -39,6 +32,7 @@ from tqdm.auto import tqdm
 from ..atomic import save_torch, write_text
 from . import sharding
 from .budget import Deadline, StepCosts
+from .keep_best import KeepBest
 from .sampler import epoch_batches
 from ..distributed import SINGLE, World
 from ..errors import OverRepError
@@ -134,10 +128,10 @@ class Trainer:
         self.deadline: Deadline | None = None  # a budgeted run: re-fit the step count as it times itself
         self.refit: dict | None = None  # what the re-fits measured and changed
         self.last_scored: dict | None = None  # the last history record with a val_ppl
-        self.best: dict | None = None  # recovery.keep_best: the best foldable weights so far (step, val_ppl, tensors)
-        self.selected: dict | None = None  # which step the run ended at, and why
+        self.keep = KeepBest(cfg.keep_best)  # recovery.keep_best
         self.flops_per_step: float | None = None  # counted after training (count_flops)
         self.stopped_at: int | None = None  # a budgeted run stopped at its deadline before its planned last step
+        self.score_start = False  # a warm start: its closed form (step 0) is a keep_best candidate too
         # a budgeted run's clock: when its budget began in this process (perf_counter), and the budget
         # seconds earlier processes spent up to the checkpoint this one resumed from
         self.budget_clock: float | None = None
@@ -192,14 +186,11 @@ class Trainer:
         if not (self.world.is_main or self.sharded):  # one writer; every rank reads it back on resume
             return path
         trainable, optimizer = trainable_state(self.objective), sharding.optimizer_state(self.opt)
-        best = None if self.best is None else {
-            "step": self.best["step"], "val_ppl": self.best["val_ppl"],
-            "tensors": None if self.best["step"] == self.step else
-            [sharding.full_from_host(t, p) for t, p in zip(self.best["tensors"], self.objective.parameters())]}
+        keep = self.keep.checkpoint(self.step, self.objective.parameters())
         if not self.world.is_main:  # it took part in gathering the shards
             return path
         state = {"step": self.step, "total_steps": self.total, "fingerprint": self.fingerprint,
-                 "trainable": trainable, "optimizer": optimizer, "best": best,
+                 "trainable": trainable, "optimizer": optimizer, **keep,
                  "history": self.history, "seconds": self.seconds, "eval_every": self.eval_every,
                  "budget_seconds": self.budget_seconds_used(),
                  "rng": torch.get_rng_state(),
@@ -236,12 +227,7 @@ class Trainer:
         self.eval_every = state.get("eval_every", self.eval_every)
         self.budget_seconds_before, self.resumed_from = float(state.get("budget_seconds") or 0.0), self.step
         self.last_scored = next((h for h in reversed(self.history) if h.get("val_ppl") is not None), None)
-        best = state.get("best")
-        if best is not None:
-            params = self.objective.parameters()
-            tensors = [sharding.host_copy(p if t is None else sharding.like(t, p))
-                       for t, p in zip(best["tensors"] or [None] * len(params), params)]
-            self.best = {"step": best["step"], "val_ppl": best["val_ppl"], "tensors": tensors}
+        self.keep.resume(state, self.objective.parameters())
         if state.get("rng") is not None:  # dropout (LoRA) draws from it: resume draws the same masks
             torch.set_rng_state(state["rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
@@ -326,6 +312,8 @@ class Trainer:
         bar = tqdm(total=self.total, initial=self.step, desc="recovery", unit="step",
                    disable=not (self.progress and self.world.is_main), dynamic_ncols=True)
         refit_at = list(self.deadline.refit_steps(self.total)) if self.deadline and self.objective.retargetable else []
+        if self.step == 0:
+            self.score_the_start()
         step_seconds: list[float] = []
         timed_from = 1  # the steps a re-fit times: since the last one (the first step pays one-off costs)
         try:
@@ -346,7 +334,7 @@ class Trainer:
                     rec["val_loss"] = obj.validation_loss()
                     rec["val_ppl"] = obj.validation_ppl()
                     self.last_scored = rec if rec["val_ppl"] is not None else self.last_scored
-                    self.note_best(rec["val_ppl"])
+                    self.keep.note(self.step, rec["val_ppl"], self.foldable(), self.objective.parameters())
                 self.history.append(rec)
                 bar.update(1)
                 post = {"loss": f"{total:.4g}", "alpha": f"{rec['alpha']:.2f}", "lr": f"{rec['lr']:.2g}"}
@@ -414,35 +402,32 @@ class Trainer:
         return 3.0 * float(counter.get_total_flops()) * self.world.size
 
     # ---- recovery.keep_best ---------------------------------------------------------
+    def score_the_start(self) -> None:
+        """``score_start``: validate the model before its first step (the closed form a warm
+        start begins at) as a ``keep_best`` candidate, where validations happen at all."""
+        if not (self.score_start and self.cfg.keep_best and self.eval_every and (self.world.is_main or self.sharded)
+                and self.room_to_validate()):
+            return
+        for a in self.objective.activations:
+            a.set_step(0)
+        start = self.keep.start = {"step": 0, "val_loss": self.objective.validation_loss(),
+                                   "val_ppl": self.objective.validation_ppl()}
+        self.objective.train(True)
+        log.info("keep_best: the closed form it starts from scores val_ppl %.4g", start["val_ppl"] or float("nan"))
+        self.keep.note(0, start["val_ppl"], self.foldable(), self.objective.parameters())
+
     def foldable(self) -> bool:
         """Whether the weights as they are now fold exactly (every annealed activation at α = 0)."""
         return all(a.alpha == 0 for a in self.objective.activations)
 
-    def note_best(self, val_ppl: float | None) -> None:
-        if not self.cfg.keep_best or val_ppl is None or not math.isfinite(val_ppl) or not self.foldable():
-            return
-        if self.best is None or val_ppl < self.best["val_ppl"]:
-            self.best = {"step": self.step, "val_ppl": val_ppl,
-                         "tensors": [sharding.host_copy(p) for p in self.objective.parameters()]}
+    @property
+    def selected(self) -> dict | None:
+        """Which step the run ended at, and why (``recovery.keep_best``)."""
+        return self.keep.selected
 
     def restore_best(self) -> None:
-        """End at the best foldable step when it beats the last one (``selected`` says which)."""
-        best, scored = self.best, self.last_scored
-        # the last step's own score, or None where it was not validated (no room before the deadline)
-        last = scored["val_ppl"] if scored is not None and scored["step"] == self.step else None
-        if best is None:
-            return
-        if best["step"] == self.step or last is None or not best["val_ppl"] < last:
-            self.selected = {"step": self.step, "val_ppl": last, "last_step": self.step, "last_val_ppl": last}
-            if last is None:  # kept unvalidated: say which validated step was the last
-                self.selected.update(validated_step=scored["step"], validated_ppl=scored["val_ppl"])
-            return
-        for p, t in zip(self.objective.parameters(), best["tensors"]):
-            sharding.copy_from_host(p, t)
-        log.info("keep_best: the recovery ends at step %d (val_ppl %.4g), not at its last step %d (%.4g)",
-                 best["step"], best["val_ppl"], self.step, last)
-        self.selected = {"step": best["step"], "val_ppl": best["val_ppl"], "last_step": self.step,
-                         "last_val_ppl": last}
+        """End at the best foldable step when it beats the last one."""
+        self.keep.restore(self.step, self.last_scored, self.objective.parameters())
 
     def write_log(self, path: Path) -> None:
         write_text(path, "".join(json.dumps(r) + "\n" for r in self.history), "the training log")
