@@ -103,10 +103,10 @@ def test_budgeted_run_fixes_its_steps_and_completes_its_schedules(assets, tmp_pa
     no_deadline_stop(monkeypatch)
     out = tmp_path / "budget"
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="20s", recovery__warm_start="none")  # cold: the annealed preset
+                   recovery__time_budget="5s", recovery__warm_start="none")  # cold: the annealed preset
     m = Pipeline(cfg, progress=False).run()
     tb = m["time_budget"]
-    assert tb["seconds"] == 20 and tb["steps"] == m["train_steps"] >= 1
+    assert tb["seconds"] == 5 and tb["steps"] == m["train_steps"] >= 1
     assert tb["measured_seconds_per_step"] > 0
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == tb["steps"] and log[-1]["alpha"] == 0.0  # the schedule ran to its end
@@ -223,6 +223,30 @@ def test_a_budgeted_run_validates_as_often_as_its_share_allows(assets, tmp_path,
         assert ("start_val_ppl" in (m["keep_best"] or {})) == (warm != "none")
 
 
+def test_a_refit_that_adds_steps_moves_the_last_validation_to_the_last_step(assets, tmp_path, monkeypatch):
+    """Six steps planned, nine after the re-fit at step 3: the validations the plan afforded
+    are spread over the nine, the last at step 9, not left at the old cadence's step 6
+    (where the last step then went unvalidated and keep_best could not compare it)."""
+    no_deadline_stop(monkeypatch)
+    from overrep.recovery.trainer import Trainer
+
+    import overrep.app.budgeting as budgeting
+
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.1, 1.0, 0.0))
+    monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 6)
+    for warm, share, expected in (("none", 0.1, [5, 9]), ("replaceme", 0.0, [9])):
+        left = iter([6, 3])  # the re-fits at steps 3 and 6: nine steps in all
+        monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: next(left))
+        out = tmp_path / warm
+        m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                              recovery__time_budget="20s", recovery__eval_every=1, recovery__validation_share=share,
+                              recovery__warm_start=warm), progress=False).run()
+        log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+        assert len(log) == 9 and [r["step"] for r in log if r.get("val_ppl") is not None] == expected
+        assert m["time_budget"]["refit"]["at"][0]["eval_every"] == expected[0]
+        assert m["keep_best"]["last_val_ppl"] is not None  # the last step was scored
+
+
 def test_the_deadline_refits_steps_to_the_observed_step_time():
     costs = StepCosts(step=1.5, validation=0.0, checkpoint=0.0, anneal=2.0)  # linear-phase steps are cheaper
     deadline = Deadline(at=100.0, costs=costs, eval_every=10, checkpoint_every=10)
@@ -309,7 +333,7 @@ def test_a_budget_is_fitted_once_and_no_stage_runs_twice(assets, tmp_path, monke
     warm = method == "overrep-warm"  # the default (auto) warm-starts OverRep on this model; "overrep": cold
     start = {} if warm else {"recovery__warm_start": "none"}
     cfg = tiny_cfg(assets, tmp_path / method, eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="20s", recovery__method=method.removesuffix("-warm"), **start)
+                   recovery__time_budget="5s", recovery__method=method.removesuffix("-warm"), **start)
     m = Pipeline(cfg, progress=False).run()
     assert calls == {"prune": 1, "probe": 1, "build": 1, "measure": 1, "fit": int(warm)}
     if warm:  # the exported model's provenance names the fit it started from

@@ -421,9 +421,11 @@ def test_squad_metrics_stand_in():
 @pytest.mark.slow
 @needs_data
 def test_embedded_model_above_chance(tmp_path):
-    res = lmeval.evaluate_benchmarks("embedded", tasks="arc_easy,piqa,hellaswag", limit=40, output=tmp_path / "r.json",
+    # two of the tasks the dense model is measured above chance on (docs/evaluation.md), a four-way
+    # and a two-way choice; HellaSwag (0.45 at this size) would double the test's time
+    res = lmeval.evaluate_benchmarks("embedded", tasks="arc_easy,piqa", limit=40, output=tmp_path / "r.json",
                                      data="local", progress=False)
-    chance = {"arc_easy": 0.25, "piqa": 0.5, "hellaswag": 0.25}
+    chance = {"arc_easy": 0.25, "piqa": 0.5}
     for name, floor in chance.items():
         assert res["tasks"][name]["value"] > floor, res["tasks"][name]
 

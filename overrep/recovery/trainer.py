@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import save_torch, write_text
 from . import sharding
-from .budget import Deadline, StepCosts
+from .budget import Deadline, StepCosts, spread
 from .keep_best import KeepBest
 from .sampler import epoch_batches
 from ..distributed import SINGLE, World
@@ -162,6 +162,9 @@ class Trainer:
         if total != self.total:
             log.info("time budget: a step takes %.2f s here (%.2f s %s): %d steps instead of %d", observed, before,
                      "before" if len(self.refit["at"]) > 1 else "in the probe", total, self.total)
+            if self.eval_every:  # as many validations as planned, spread over the new count, the last at the end
+                self.eval_every = self.deadline.eval_every = spread(total, math.ceil(self.total / self.eval_every))
+                self.refit["at"][-1]["eval_every"] = self.eval_every
             self.set_total(total)
 
     # ---- data --------------------------------------------------------------------
