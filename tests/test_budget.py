@@ -389,6 +389,40 @@ def test_a_run_of_long_steps_stops_before_a_step_that_would_end_past_its_deadlin
     assert m["merge_max_rel_diff"] <= 1e-5 and m["train_flops"] > 0
 
 
+def test_a_run_stopped_at_its_deadline_validates_the_step_it_stops_at(assets, tmp_path, monkeypatch):
+    """Steps slower than the plan: the run stops one validation before its deadline and scores
+    the step it stops at, so keep_best compares the model it exports with the warm start's
+    closed form (before, the last validation stayed wherever the cadence had put it)."""
+    import time
+
+    from overrep.recovery.trainer import Trainer
+
+    import overrep.app.budgeting as budgeting
+
+    real_step = Trainer._step
+
+    def slow_step(self):
+        time.sleep(0.5)
+        return real_step(self)
+
+    # a validation said to take 1 s: the stop leaves that much of the budget for it
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.001, 1.0, 0.0))
+    monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 1000)
+    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 1000)
+    monkeypatch.setattr(Trainer, "_step", slow_step)
+    out = tmp_path / "run"
+    m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                          recovery__time_budget="6s", recovery__checkpoint_every=1000,
+                          recovery__warm_start="replaceme"), progress=False).run()
+    tb = m["time_budget"]
+    assert tb["stopped_at_step"] == m["train_steps"] >= 1 and tb["used_seconds"] <= 6.0 + 0.1, tb
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r.get("val_ppl") is not None] == [m["train_steps"]]
+    sel = m["keep_best"]
+    assert sel["last_step"] == m["train_steps"] and sel["last_val_ppl"] is not None and "start_val_ppl" in sel
+    assert m["merge_max_rel_diff"] <= 1e-5
+
+
 def test_the_probe_times_a_validation_on_a_sample_of_its_rows():
     """A budget learns what a validation costs from a quarter of its rows, scaled up, not from
     a whole one (at a short budget a whole one was up to a fifth of it); the rows are all back

@@ -12,8 +12,10 @@ A warm-started run also scores the closed form it starts from, before its first 
 (:meth:`overrep.recovery.trainer.Trainer.score_the_start`): every factor is then at its
 initialisation (W = 0, D = I, α = 0), so step 0 *is* the closed-form model and folds
 exactly. A budget too short for training to pass it then ships the closed form rather than
-something worse (measured: 82 warm steps on a 2-core AVX2 CPU scored validation 209 against
-the closed form's 196; docs/closed-forms.md).
+something worse. Its floor is the warm start's own closed form (ReplaceMe's map in the block the
+module trains), not necessarily the best one: on the default mask the stitched block that
+``--method replaceme`` exports scored validation 196 where the warm start's retained block scored
+232 (docs/closed-forms.md).
 
 The best weights are held as a host (CPU) copy, this rank's shard of them under FSDP, so
 the guard costs no accelerator memory.
