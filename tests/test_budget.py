@@ -361,9 +361,9 @@ def test_a_budgeted_run_stops_at_its_deadline_and_still_folds(assets, tmp_path, 
     assert m["merge_max_rel_diff"] <= 1e-5 and m["train_flops"] > 0
 
 
-def test_a_run_of_long_steps_stops_before_a_step_that_would_end_past_its_deadline(assets, tmp_path, monkeypatch):
-    """A step of a large share of the budget is not started when it would end after the
-    deadline: the run ends within its budget instead of overrunning it by most of a step."""
+def slow_steps(monkeypatch, seconds: float, validation: float) -> None:
+    """Steps of ``seconds`` each, a plan of far more steps than fit, and a probe that says a
+    validation takes ``validation`` seconds: the deadline, not the plan, ends the run."""
     import time
 
     from overrep.recovery.trainer import Trainer
@@ -373,13 +373,19 @@ def test_a_run_of_long_steps_stops_before_a_step_that_would_end_past_its_deadlin
     real_step = Trainer._step
 
     def slow_step(self):
-        time.sleep(0.9)
+        time.sleep(seconds)
         return real_step(self)
 
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.001, 0.0, 0.0))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.001, validation, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 1000)
     monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 1000)
     monkeypatch.setattr(Trainer, "_step", slow_step)
+
+
+def test_a_run_of_long_steps_stops_before_a_step_that_would_end_past_its_deadline(assets, tmp_path, monkeypatch):
+    """A step of a large share of the budget is not started when it would end after the
+    deadline: the run ends within its budget instead of overrunning it by most of a step."""
+    slow_steps(monkeypatch, 0.9, validation=0.0)
     m = Pipeline(tiny_cfg(assets, tmp_path / "run", eval__perplexity=False, eval__latency=False, recovery__steps=None,
                           recovery__time_budget="5s", recovery__checkpoint_every=1000), progress=False).run()
     tb = m["time_budget"]
@@ -393,23 +399,7 @@ def test_a_run_stopped_at_its_deadline_validates_the_step_it_stops_at(assets, tm
     """Steps slower than the plan: the run stops one validation before its deadline and scores
     the step it stops at, so keep_best compares the model it exports with the warm start's
     closed form (before, the last validation stayed wherever the cadence had put it)."""
-    import time
-
-    from overrep.recovery.trainer import Trainer
-
-    import overrep.app.budgeting as budgeting
-
-    real_step = Trainer._step
-
-    def slow_step(self):
-        time.sleep(0.5)
-        return real_step(self)
-
-    # a validation said to take 1 s: the stop leaves that much of the budget for it
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.001, 1.0, 0.0))
-    monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 1000)
-    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 1000)
-    monkeypatch.setattr(Trainer, "_step", slow_step)
+    slow_steps(monkeypatch, 0.5, validation=1.0)  # the stop leaves the 1 s of a validation
     out = tmp_path / "run"
     m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
                           recovery__time_budget="6s", recovery__checkpoint_every=1000,
