@@ -77,6 +77,7 @@ class Pipeline:
         self.model_fp = self.method = self.rcfg = self.total_steps = self.selection = self.plan = self.teacher = None
         self.train_ids = self.heldout_ids = self.val_ids = self.eval_data = self.data_info = None
         self.dense_scores = None  # evaluate_model("dense"): per-document scores the others are paired with
+        self.shared_prefix = None  # evaluate_model: the hidden states after the blocks every model shares (model.prefix)
         self.pruned = None  # prune (merge: the compact model)
         self.budget: BudgetFit | None = None  # build_recovery: recovery.time_budget's decision
         self.recovery_started: float | None = None  # build_recovery: when the recovery (and a budget) started

@@ -29,6 +29,7 @@ from ..core.precision import autocast
 from ..errors import OverRepError
 from ..memo import digest, memoised, tensor_digest
 from ..model.placement import input_device
+from ..model.prefix import SharedPrefix
 from ..model.runtime import model_fingerprint
 from .generation import document_starts, lambada_passages, last_word_accuracy, repetition
 from .heldout import row_strata, score_rows
@@ -74,22 +75,25 @@ def eval_data(splits, unseen: dict, ev) -> EvalData:
 
 
 def score(model, tokenizer, data: EvalData, *, desc: str = "", progress: bool = False,
-          precision: str = "fp32") -> dict:
+          precision: str = "fp32", prefix: SharedPrefix | None = None) -> dict:
     """Per-document scores of ``model`` (savable: tensors and plain values), its forward in
-    ``precision`` ("fp32", or "bf16": autocast; logits and sums stay fp32 either way)."""
+    ``precision`` ("fp32", or "bf16": autocast; logits and sums stay fp32 either way);
+    ``prefix``: the first blocks it shares with a model scored before on the same rows, which
+    it then does not run again (:mod:`overrep.model.prefix`; the same figures)."""
     with autocast(precision, input_device(model)):
-        return _score(model, tokenizer, data, desc, progress)
+        return _score(model, tokenizer, data, desc, progress, prefix)
 
 
-def _score(model, tokenizer, data: EvalData, desc: str, progress: bool) -> dict:
+def _score(model, tokenizer, data: EvalData, desc: str, progress: bool, prefix: SharedPrefix | None) -> dict:
     strata, _ = row_strata(data.components, "test_rows", data.test.shape[0])
     out = {"test": score_rows(model, data.test, data.test_units, strata, desc=f"test {desc}",
-                              progress=progress).to_state()}
+                              progress=progress, prefix=prefix).to_state()}
     if data.validation.shape[0]:
         vstrata, _ = row_strata(data.components, "validation_rows", data.validation.shape[0])
         out["validation"] = score_rows(model, data.validation, data.validation_units, vstrata,
-                                       desc=f"validation {desc}", progress=progress).to_state()
-    out["unseen"] = {name: score_rows(model, rows, units, desc=f"{name} {desc}", progress=progress).to_state()
+                                       desc=f"validation {desc}", progress=progress, prefix=prefix).to_state()
+    out["unseen"] = {name: score_rows(model, rows, units, desc=f"{name} {desc}", progress=progress,
+                                      prefix=prefix).to_state()
                      for name, (rows, units) in data.unseen.items()}
     if data.lambada:
         prompts = document_starts(data.test, data.test_units, data.prompts, data.prompt_tokens)
@@ -100,10 +104,11 @@ def _score(model, tokenizer, data: EvalData, desc: str, progress: bool) -> dict:
 
 def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, mask: dict | None,
                   root: Path | None, dense: dict | None = None, progress: bool = False,
-                  precision: str = "fp32") -> tuple[dict, dict]:
+                  precision: str = "fp32", prefix: SharedPrefix | None = None) -> tuple[dict, dict]:
     """``(metrics entries, scores)`` of one model; scores are read from / written to ``root``
     (``None``: never cached, e.g. a recovered model) keyed by model, mask, data, precision and
     protocol. Models paired with ``dense`` should be scored in the dense scores' precision.
+    ``prefix``: see :func:`score`.
 
     Metrics entries: ``{tag}_ppl`` (test perplexity), ``{tag}_ppl_domains`` (per test domain
     and unseen corpus), ``{tag}_perplexity`` (``validation`` and ``test`` as ``{value, low,
@@ -114,7 +119,7 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     """
     def compute() -> dict:
         t0 = time.perf_counter()
-        scores = score(model, tokenizer, data, desc=tag, progress=progress, precision=precision)
+        scores = score(model, tokenizer, data, desc=tag, progress=progress, precision=precision, prefix=prefix)
         scores["seconds"] = time.perf_counter() - t0  # what scoring cost, kept with a cached entry
         return scores
 

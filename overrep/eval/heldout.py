@@ -15,6 +15,7 @@ from ..data.packing import _pack
 from ..data.text import mixture_parts
 from ..errors import OverRepError
 from ..model.perplexity import row_token_nll
+from ..model.prefix import SharedPrefix
 from .intervals import Scored, by_document
 
 
@@ -44,9 +45,10 @@ def unseen_domain_rows(names: str | None, tokenizer, *, training_source: str, se
 
 
 def score_rows(model, rows: torch.Tensor, units: torch.Tensor, strata: torch.Tensor | None = None, *,
-               desc: str = "perplexity", progress: bool = False) -> Scored:
-    """Every row scored on its own, summed per document (``strata``: the domain of each row)."""
-    return by_document(row_token_nll(model, rows, desc=desc, progress=progress), units, strata)
+               desc: str = "perplexity", progress: bool = False, prefix: SharedPrefix | None = None) -> Scored:
+    """Every row scored on its own, summed per document (``strata``: the domain of each row;
+    ``prefix``: blocks shared with a model scored before, :mod:`overrep.model.prefix`)."""
+    return by_document(row_token_nll(model, rows, desc=desc, progress=progress, prefix=prefix), units, strata)
 
 
 def row_strata(components: list[dict] | None, rows_key: str, n: int) -> tuple[torch.Tensor, list[str]]:

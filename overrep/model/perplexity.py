@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from ..errors import OverRepError
 from .placement import input_device
+from .prefix import SharedPrefix, WholeScorer, token_nll
 
 
 def sliding_windows(length: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
@@ -101,21 +102,24 @@ def perplexity(model, ids: torch.Tensor, *, batch_size: int = 4, desc: str = "pe
 
 @torch.no_grad()
 def row_token_nll(model, ids: torch.Tensor, *, batch_size: int = 4, progress: bool = False,
-                  desc: str = "perplexity") -> torch.Tensor:
+                  desc: str = "perplexity", prefix: SharedPrefix | None = None) -> torch.Tensor:
     """Next-token negative log-likelihood of every target of packed rows ``ids`` ``[N, T]``,
     each row on its own: ``[N, T - 1]`` float64 (entry ``[r, t]`` scores token ``t + 1``).
-    ``exp(mean)`` is :func:`perplexity`; per-token values let an interval resample documents."""
+    ``exp(mean)`` is :func:`perplexity`; per-token values let an interval resample documents.
+    With ``prefix``, a model that shares its first blocks with one scored before on the same
+    rows runs only the rest (:mod:`overrep.model.prefix`)."""
     if ids.dim() != 2 or ids.shape[1] < 2:
         raise OverRepError(f"ids must be [N, T] with T >= 2, got shape {tuple(ids.shape)}")
     device = input_device(model)
     was_training = model.training
     model.eval()
     out = torch.empty(ids.shape[0], ids.shape[1] - 1, dtype=torch.float64)
+    scorer = prefix.scorer(model, ids) if prefix is not None else WholeScorer(model)
     try:
         for i in tqdm(range(0, ids.shape[0], batch_size), desc=desc, unit="batch", disable=not progress, leave=False):
             x = ids[i:i + batch_size].long().to(device)
-            logp = torch.log_softmax(model(input_ids=x, use_cache=False).logits.float(), dim=-1)
-            out[i:i + batch_size] = -logp[:, :-1].gather(-1, x[:, 1:, None])[..., 0].double().cpu()
+            out[i:i + batch_size] = token_nll(scorer.logits(i, x), x).double().cpu()
+        scorer.done()
     finally:
         model.train(was_training)
     return out
