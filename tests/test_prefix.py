@@ -31,7 +31,8 @@ def test_shared_prefix_scores_as_the_whole_forward(arch):
     assert prefix.start == 2
     whole_dense = row_token_nll(dense, ids, batch_size=2)
     assert torch.equal(row_token_nll(dense, ids, batch_size=2, prefix=prefix), whole_dense)  # captures
-    assert prefix.states[next(iter(prefix.states))].shape[:2] == ids.shape
+    rows, states = next(iter(prefix.states.values()))
+    assert torch.equal(rows, ids) and states.shape[:2] == ids.shape
     model = pruned_and_trained(dense)
     assert prefix.shares(model)
     assert isinstance(prefix.scorer(model, ids), _TailScorer)
@@ -84,3 +85,22 @@ def test_a_forward_that_does_more_than_its_blocks_is_scored_whole(caplog):
     assert "scored whole" in caplog.text
     assert torch.equal(got, row_token_nll(model, ids, batch_size=2))
     assert not prefix.shares(model)
+
+
+def test_the_first_rows_of_kept_ones_and_another_precision():
+    """A validation timed on a sample reads the first rows of its kept states; states kept in
+    fp32 never serve a forward under bf16 autocast."""
+    dense = tiny_model("llama")
+    ids = tiny_ids(batch=6, seq=16)
+    prefix = SharedPrefix(dense, 2)
+    row_token_nll(dense, ids, prefix=prefix)
+    model = pruned_and_trained(dense)
+    assert isinstance(prefix.scorer(model, ids[:3]), _TailScorer)
+    assert torch.equal(row_token_nll(model, ids[:3], prefix=prefix), row_token_nll(model, ids[:3]))
+    assert not isinstance(prefix.scorer(model, ids[1:4]), _TailScorer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not isinstance(prefix.scorer(model, ids), _TailScorer)
+        row_token_nll(dense, ids, prefix=prefix)  # kept again, under bf16
+        assert isinstance(prefix.scorer(model, ids), _TailScorer)
+        assert torch.equal(row_token_nll(model, ids, prefix=prefix), row_token_nll(model, ids))
+    assert len(prefix.states) == 2

@@ -27,6 +27,7 @@ from ..core.precision import resolve_model_dtype, resolve_precision
 from ..data.text import token_splits
 from ..eval.figures import eval_data
 from ..eval.heldout import unseen_domain_rows
+from ..model.prefix import SharedPrefix, first_changed_block
 from ..model.accounting import blocks_for_ratio, pruning_account
 from ..model.arch import check_supported, decoder_layers
 from ..model.loading import load_model
@@ -77,7 +78,7 @@ class Pipeline:
         self.model_fp = self.method = self.rcfg = self.total_steps = self.selection = self.plan = self.teacher = None
         self.train_ids = self.heldout_ids = self.val_ids = self.eval_data = self.data_info = None
         self.dense_scores = None  # evaluate_model("dense"): per-document scores the others are paired with
-        self.shared_prefix = None  # evaluate_model: the hidden states after the blocks every model shares (model.prefix)
+        self.shared_prefix = None  # load: the blocks every model of the run shares, run once per rows (model.prefix)
         self.pruned = None  # prune (merge: the compact model)
         self.budget: BudgetFit | None = None  # build_recovery: recovery.time_budget's decision
         self.recovery_started: float | None = None  # build_recovery: when the recovery (and a budget) started
@@ -164,6 +165,7 @@ class Pipeline:
             self.plan = plan_recovery(self.dense, self.selection.removed, get_preset(r.preset_name),
                                       blocks=r.blocks_per_run, block1_init=r.block1_init,
                                       final_block=r.final_block, keep=self.selection.replaced)
+        self.shared_prefix = SharedPrefix(self.dense, 0 if self.width else first_changed_block(self.plan))
         lr = r.lr if r.lr is not None else self.method.default_lr
         self.rcfg = dataclasses.replace(r, lr=lr, warmup_steps=r.resolved_warmup_steps,
                                         precision=resolve_precision(r.precision, self.device))
@@ -278,7 +280,7 @@ class Pipeline:
     def method_inputs(self) -> MethodInputs:
         return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,  # probes: never test
                             self.val_ids if self.val_ids is not None else self.train_ids,
-                            self.total_steps, self.teacher, self.val_ids)
+                            self.total_steps, self.teacher, self.val_ids, self.shared_prefix)
 
     @property
     def cache_root(self) -> Path:

@@ -16,7 +16,6 @@ from ..eval.figures import model_benchmarks, model_figures
 from ..eval.measure import generation_latency
 from ..eval.retained import retained_performance
 from ..model import onload
-from ..model.prefix import SharedPrefix, first_changed_block
 from ..model.wrap import count_parameters
 
 
@@ -32,8 +31,6 @@ def score_model(p, model, tag: str) -> None:
     if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
         data = p.eval_data.baseline() if tag == "pruned" and ev.unrecovered == "test" else p.eval_data
         p.metrics["eval_precision"] = precision = resolve_precision(ev.precision, p.device)
-        if p.shared_prefix is None:  # the first blocks every model of the run keeps as the dense model's
-            p.shared_prefix = SharedPrefix(p.dense, 0 if p.width else first_changed_block(p.plan))
         found, scores = model_figures(model, p.tokenizer, data, tag=tag, progress=p.progress,
                                       source=p.model_info["source"], mask=mask, root=root, dense=p.dense_scores,
                                       precision=precision, prefix=p.shared_prefix)  # raises on a non-finite perplexity

@@ -50,7 +50,7 @@ class SharedPrefix:
 
     def __init__(self, reference: nn.Module, start: int):
         self.reference, self.start = reference, start
-        self.states: dict[str, torch.Tensor] = {}  # rows digest -> [N, T, d] (CPU)
+        self.states: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (rows, [N, T, d] on the CPU)
         self.refused: set[str] = set()  # model classes whose shared-prefix forward disagreed with the whole one
 
     def shares(self, model: nn.Module) -> bool:
@@ -65,13 +65,17 @@ class SharedPrefix:
             _same_module(mine[i], ref[i]) for i in range(self.start))
 
     def scorer(self, model: nn.Module, ids: torch.Tensor) -> "WholeScorer":
-        """What computes ``model``'s logits batch by batch on the rows ``ids`` (see the module docstring)."""
-        key = tensor_digest(ids)
+        """What computes ``model``'s logits batch by batch on the rows ``ids`` (see the module
+        docstring): rows kept before, or their first rows (a validation timed on a sample),
+        under the same autocast as now."""
         if not self.shares(model):
             return WholeScorer(model)
-        if key in self.states and self.states[key].shape[0] == ids.shape[0]:
-            return _TailScorer(model, self, self.states[key])
-        return _CapturingScorer(model, self, key, self.start)
+        mode = _autocast_mode(ids.device if ids.device.type != "cpu" else next(model.parameters()).device)
+        for key, (rows, states) in self.states.items():
+            if key.endswith(mode) and rows.shape[1] == ids.shape[1] and rows.shape[0] >= ids.shape[0] \
+                    and torch.equal(rows[:ids.shape[0]], ids.cpu()):
+                return _TailScorer(model, self, key, states[:ids.shape[0]])
+        return _CapturingScorer(model, self, f"{tensor_digest(ids)}-{mode}", ids, self.start)
 
 
 class WholeScorer:
@@ -90,9 +94,9 @@ class WholeScorer:
 class _CapturingScorer(WholeScorer):
     """The whole forward, keeping the hidden states entering block ``start`` of every batch."""
 
-    def __init__(self, model: nn.Module, prefix: SharedPrefix, key: str, start: int):
+    def __init__(self, model: nn.Module, prefix: SharedPrefix, key: str, ids: torch.Tensor, start: int):
         super().__init__(model)
-        self.prefix, self.key, self.parts = prefix, key, []
+        self.prefix, self.key, self.ids, self.parts = prefix, key, ids.cpu(), []
         self.block = decoder_layers(model)[start]
 
     def logits(self, start: int, x: torch.Tensor) -> torch.Tensor:
@@ -107,16 +111,16 @@ class _CapturingScorer(WholeScorer):
             handle.remove()
 
     def done(self) -> None:
-        self.prefix.states[self.key] = torch.cat(self.parts)
+        self.prefix.states[self.key] = (self.ids, torch.cat(self.parts))
 
 
 class _TailScorer(WholeScorer):
     """The blocks from ``start`` on, the final norm and the head, on the kept hidden states;
     the first batch is checked against the whole forward."""
 
-    def __init__(self, model: nn.Module, prefix: SharedPrefix, states: torch.Tensor):
+    def __init__(self, model: nn.Module, prefix: SharedPrefix, key: str, states: torch.Tensor):
         super().__init__(model)
-        self.prefix, self.states, self.checked, self.whole = prefix, states, False, False
+        self.prefix, self.states, self.whole, self.checked = prefix, states, False, False
         layers = decoder_layers(model)
         context = capture_layer_context(model, states.shape[1])
         self.blocks = [(layers[i], context[i]) for i in range(prefix.start, len(layers))]
@@ -137,7 +141,7 @@ class _TailScorer(WholeScorer):
         if self.whole:
             return super().logits(start, x)
         got = self._tail(start, x.shape[0])
-        if not self.checked:
+        if not self.checked:  # the first batch, run whole too
             self.checked = True
             want = super().logits(start, x)
             gap = (token_nll(got, x) - token_nll(want, x)).abs().max().item()
@@ -149,6 +153,12 @@ class _TailScorer(WholeScorer):
                 self.whole = True
                 return want
         return got
+
+
+def _autocast_mode(device: torch.device) -> str:
+    """What the forward computes in now: the states kept under one autocast serve only it."""
+    kind = device.type
+    return str(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else "fp32"
 
 
 def token_nll(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

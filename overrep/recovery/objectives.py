@@ -120,13 +120,14 @@ class Layerwise(Objective):
     ``total_steps``), then B. ``aux[i]`` holds module i's constants (what the losses
     prepared); a batch dict may carry per-row extras (a loss's ``rows``).
     ``ppl_model`` / ``ppl_ids``: the pruned model (modules in place) and held-out rows for
-    :meth:`validation_ppl`.
+    :meth:`validation_ppl`; ``prefix``: the first blocks it shares with the dense model, which a
+    validation then runs once (:mod:`overrep.model.prefix`).
     """
 
     def __init__(self, modules, contexts: list[list[dict]], source: BatchSource | None,
                  val_batch: list[dict] | None = None, loss: str = "mse", aux: list[dict] | None = None,
                  lam: float = 0.1, switch: float = 0.5, total_steps: int = 1, ppl_model=None, ppl_ids=None,
-                 topk_rest: bool = False):
+                 topk_rest: bool = False, prefix=None):
         self.modules, self.contexts, self.source, self.val_batch = modules, contexts, source, val_batch
         self.activations = [m.activation for m in modules]
         self.phases = parse_loss(loss)
@@ -134,7 +135,7 @@ class Layerwise(Objective):
         self.aux = aux or [{} for _ in modules]
         self.switch = switch
         self.set_total_steps(total_steps)
-        self.ppl_model, self.ppl_ids = ppl_model, ppl_ids
+        self.ppl_model, self.ppl_ids, self.prefix = ppl_model, ppl_ids, prefix
         self.step = 0
 
     def set_total_steps(self, total: int) -> None:
@@ -200,10 +201,10 @@ class Layerwise(Objective):
     def validation_ppl(self):
         if self.ppl_model is None or self.ppl_ids is None:
             return None
-        from ..model.perplexity import perplexity
+        from ..model.perplexity import row_token_nll
 
         was = self.ppl_model.training
-        ppl = perplexity(self.ppl_model, self.ppl_ids, progress=False)
+        ppl = math.exp(row_token_nll(self.ppl_model, self.ppl_ids, prefix=self.prefix).mean().item())
         self.ppl_model.train(was)
         self.train(True)
         return ppl

@@ -21,6 +21,7 @@ from torch import nn
 from ..core.precision import autocast
 from ..data.cache import build_or_open
 from ..distributed import SINGLE, World
+from ..model.prefix import SharedPrefix
 from ..model.hooks import teacher_features
 from ..model.placement import input_device
 from ..model.streaming import stream_features
@@ -143,3 +144,4 @@ class MethodInputs:
     total_steps: int
     teacher: Teacher
     val_ids: torch.Tensor | None = None
+    prefix: SharedPrefix | None = None  # the blocks the pruned model shares with the dense one (validations run them once)

@@ -52,7 +52,7 @@ class LayerwiseRun(MethodRun):
         self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, loss=r.loss, aux=aux,
                                    lam=r.loss_lambda, switch=r.loss_switch, total_steps=inputs.total_steps,
                                    ppl_model=model if inputs.val_ids is not None else None,
-                                   ppl_ids=inputs.val_ids,
+                                   ppl_ids=inputs.val_ids, prefix=inputs.prefix,
                                    topk_rest=r.loss_topk_rest)
 
     @torch.no_grad()
