@@ -44,6 +44,19 @@ def _same_module(a: nn.Module, b: nn.Module) -> bool:
         pa[k].shape == pb[k].shape and pa[k].device == pb[k].device and torch.equal(pa[k], pb[k]) for k in pa)
 
 
+def same_prefix(model: nn.Module, reference: nn.Module, blocks: int) -> bool:
+    """Whether ``model``'s embeddings and first ``blocks`` blocks (at least one) equal
+    ``reference``'s, weight for weight, both on one device and loaded whole (a model placed
+    over devices or loaded block by block: False), with a block after them."""
+    if blocks < 1 or any(is_placed(m) or is_onloaded(m) for m in (model, reference)):
+        return False
+    mine, ref = decoder_layers(model), decoder_layers(reference)
+    if len(mine) <= blocks or len(ref) <= blocks:
+        return False
+    return _same_module(model.get_input_embeddings(), reference.get_input_embeddings()) and all(
+        _same_module(mine[i], ref[i]) for i in range(blocks))
+
+
 class SharedPrefix:
     """The hidden states entering block ``start`` of ``reference`` (the dense model) for each
     set of rows scored, and the test of whether another model shares blocks ``0..start-1``."""
@@ -55,14 +68,7 @@ class SharedPrefix:
 
     def shares(self, model: nn.Module) -> bool:
         """Whether ``model`` has the reference's embeddings and blocks before ``start``."""
-        if self.start < 1 or type(model).__name__ in self.refused or any(
-                is_placed(m) or is_onloaded(m) for m in (model, self.reference)):
-            return False  # (blocks spread over devices or loaded on demand: scored whole)
-        mine, ref = decoder_layers(model), decoder_layers(self.reference)
-        if len(mine) <= self.start or len(ref) <= self.start:
-            return False
-        return _same_module(model.get_input_embeddings(), self.reference.get_input_embeddings()) and all(
-            _same_module(mine[i], ref[i]) for i in range(self.start))
+        return type(model).__name__ not in self.refused and same_prefix(model, self.reference, self.start)
 
     def scorer(self, model: nn.Module, ids: torch.Tensor) -> "WholeScorer":
         """What computes ``model``'s logits batch by batch on the rows ``ids`` (see the module

@@ -44,6 +44,7 @@ from ..errors import OverRepError
 from ..model.arch import block_parts, decoder_layers
 from ..model.hooks import StopForward, run_hooked
 from ..model.placement import input_device
+from ..model.prefix import same_prefix
 from ..model.surgery import PrunePlan, contiguous_runs
 
 #: a token whose residual RMS is this many times the row's median is an attention sink
@@ -181,12 +182,39 @@ def gap_batches(pruned: nn.Module, dense: nn.Module, plan: PrunePlan, run: tuple
                            "to hold the map")
     ci = plan.compact_index(a - 1)
     down = down_projection(decoder_layers(pruned)[ci], a - 1)
+    # where the pruned model's blocks up to the one before the run are still the dense model's
+    # (a mask's first run, nothing folded yet), one dense forward gives all three
+    one_pass = ci == a - 1 and same_prefix(pruned, dense, a)
+    dense_down = down_projection(decoder_layers(dense)[a - 1], a - 1) if one_pass else None
     for i in range(0, ids.shape[0], batch):
         rows = ids[i:i + batch]
         with autocast(precision, input_device(pruned)):
-            y, m = _block_output(pruned, ci, rows, down)
-            x, _ = _block_output(dense, b, rows)
+            if one_pass:
+                y, m, x = _dense_gap(dense, a - 1, b, rows, dense_down)
+            else:
+                y, m = _block_output(pruned, ci, rows, down)
+                x, _ = _block_output(dense, b, rows)
         yield (y - m).float(), m.float(), x.float().to(y.device)
+
+
+def _dense_gap(dense: nn.Module, last: int, end: int, ids: torch.Tensor, down: nn.Linear):
+    """From one forward of ``dense`` (stopped after block ``end``): block ``last``'s output,
+    its MLP output (``down``'s) and block ``end``'s output."""
+    got: dict = {}
+    layers = decoder_layers(dense)
+
+    def grab(name: str, stop: bool = False):
+        def hook(module, args, kwargs, out):
+            got[name] = (out[0] if isinstance(out, tuple) else out).detach()
+            if stop:
+                raise StopForward
+        return hook
+
+    handles = [down.register_forward_hook(lambda m, a, o: got.__setitem__("m", o.detach())),
+               layers[last].register_forward_hook(grab("y"), with_kwargs=True),
+               layers[end].register_forward_hook(grab("x", stop=True), with_kwargs=True)]
+    run_hooked(dense, handles, input_ids=ids.to(input_device(dense)), use_cache=False)
+    return got["y"], got["m"], got["x"]
 
 
 def fit_lstsq(pruned, dense, plan, run, ids, opts: FitOptions) -> tuple[torch.Tensor, dict]:
