@@ -133,7 +133,7 @@ def _domain_table(m: dict) -> list[str]:
         vals = [_fig(m, t, where, n) or {"value": m[f"{t}_ppl_domains"].get(n)} for t in tags]
         d, r = m.get("dense_ppl_domains", {}).get(n), m.get("recovered_ppl_domains", {}).get(n)
         lines.append(f"| {n} | " + " | ".join(format_interval(v) for v in vals)
-                     + f" | {_fmt(r / d if d and r else None, 3)} |")
+                     + f" | {f'{r / d:.2f}' if d and r else '–'} |")  # 2.00, not 2
     return lines + ["", "Unseen domains (`eval.domains`) are corpora the recovery never trained on (test-only). "
                     "Brackets: 95% bootstrap intervals over documents (docs/evaluation.md).", ""]
 
