@@ -213,3 +213,22 @@ def test_embedded_save_and_reload_round_trip(embedded, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
     reloaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     assert torch.equal(logits(model, tokenizer), logits(reloaded, reloaded_tokenizer))
+
+
+def test_a_gguf_is_parsed_once_per_load(monkeypatch):
+    """transformers parses a GGUF for its config, tokenizer and weights; a load parses it once
+    (each parse walks the vocabulary in Python), and the tokenizer keeps the file's eos id."""
+    import gguf
+
+    parsed = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parsed.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    model, tokenizer = models._load_gguf(models.embedded_gguf_path(), torch.float32, "sdpa")
+    assert parsed == [str(models.embedded_gguf_path())]
+    assert gguf.GGUFReader is Counting  # put back after the load
+    assert tokenizer.eos_token_id == 2 and model.config.num_hidden_layers == 30
