@@ -14,3 +14,11 @@ class OverRepError(RuntimeError):
 class MergeRefused(OverRepError):
     """Folding an overcomplete module was asked for while its annealed activation is not
     yet the identity (the fold is exact only at alpha = 0)."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an exception's message (library errors span many lines)."""
+    for line in str(error).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(error).__name__

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from overrep.model import loading as models
+from overrep.model import gguf_file, loading as models
 from overrep.errors import OverRepError
 from tiny import tiny_model
 
@@ -191,7 +191,7 @@ def test_embedded_special_tokens_follow_the_gguf(embedded):
     wrong = AutoTokenizer.from_pretrained(info["source"], local_files_only=True)
     wrong.eos_token = "<|im_start|>"
     assert wrong.eos_token_id == 1
-    models._gguf_special_tokens(models.embedded_gguf_path(), wrong)
+    gguf_file.gguf_special_tokens(models.embedded_gguf_path(), wrong)
     assert (wrong.eos_token, wrong.eos_token_id, wrong.bos_token_id) == ("<|im_end|>", 2, 1)
 
 
@@ -228,7 +228,7 @@ def test_a_gguf_is_parsed_once_per_load(monkeypatch):
             super().__init__(path, *args, **kwargs)
 
     monkeypatch.setattr(gguf, "GGUFReader", Counting)
-    model, tokenizer = models._load_gguf(models.embedded_gguf_path(), torch.float32, "sdpa")
+    model, tokenizer = gguf_file.load_gguf(models.embedded_gguf_path(), torch.float32, "sdpa")
     assert parsed == [str(models.embedded_gguf_path())]
     assert gguf.GGUFReader is Counting  # put back after the load
     assert tokenizer.eos_token_id == 2 and model.config.num_hidden_layers == 30

@@ -19,7 +19,6 @@ so it can be pruned, trained, saved with ``save_pretrained`` and reloaded with
 from __future__ import annotations
 
 import importlib.util
-import contextlib
 import json
 import logging
 import os
@@ -35,8 +34,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..errors import OverRepError
+from ..errors import OverRepError, first_line
 from ..paths import cache_root
+from .gguf_file import load_gguf
 from .placement import is_placed
 
 logger = logging.getLogger(__name__)
@@ -139,89 +139,6 @@ def _finish(model: transformers.PreTrainedModel, dtype: torch.dtype) -> transfor
     return model.eval()
 
 
-def _strip_quantization(model: transformers.PreTrainedModel) -> None:
-    """Remove any trace of the GGUF quantiser so the model saves and reloads as plain weights.
-
-    With ``GgufConfig(dequantize=True)`` transformers 5.23 already leaves none, but a
-    stale ``quantization_config`` in ``config.json`` would make ``from_pretrained`` look
-    for a GGUF file that a saved folder does not have.
-    """
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer = None
-    if getattr(model, "is_quantized", False):
-        model.is_quantized = False
-
-
-@contextlib.contextmanager
-def _gguf_parsed_once():
-    """Inside, each GGUF file's metadata is parsed once. transformers parses it for the config,
-    again for the tokenizer and again for the weights, and :func:`_gguf_special_tokens` a fourth
-    time; each parse walks the ~100k vocabulary and merge strings in Python (about 5 s on a 2-core
-    CPU for the embedded model). The readers are read-only views of the file, so one serves all."""
-    import gguf
-
-    original, readers = gguf.GGUFReader, {}
-
-    def reader(path, *args, **kwargs):
-        key = (str(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = original(path, *args, **kwargs)
-        return readers[key]
-
-    gguf.GGUFReader = reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
-
-
-def _load_gguf(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str, placement: dict | None = None):
-    """Load a ``.gguf`` file dequantised into a plain model, plus the tokenizer it embeds."""
-    with _gguf_parsed_once():
-        return _load_gguf_once(path, dtype, attn_implementation, placement)
-
-
-def _load_gguf_once(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str, placement: dict | None):
-    from transformers import GgufConfig
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent,
-            gguf_file=path.name,
-            quantization_config=GgufConfig(dequantize=True),
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            local_files_only=True,
-            **(placement or {}),
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    except (OSError, ValueError, KeyError) as error:
-        raise OverRepError(f"cannot load GGUF file '{path}': {_first_line(error)}") from error
-    _strip_quantization(model)
-    _gguf_special_tokens(path, tokenizer)
-    return model, tokenizer
-
-
-def _gguf_special_tokens(path: pathlib.Path, tokenizer) -> None:
-    """Give the tokenizer the bos / eos / pad ids the GGUF's own metadata names.
-
-    transformers' GGUF tokenizer conversion has not always read them the same way (5.17 gave
-    the embedded model's tokenizer eos id 1, ``<|im_start|>``, where the file and 5.24 say 2),
-    and the eos id separates the documents packed into every row: another id, other rows.
-    """
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(path)).fields
-    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
-        field = fields.get(f"tokenizer.ggml.{key}")
-        if field is not None:
-            token = tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0]))
-            if token is not None and getattr(tokenizer, f"{role}_token") != token:
-                setattr(tokenizer, f"{role}_token", token)
-
-
 def _load_folder(path: pathlib.Path, dtype: torch.dtype, attn_implementation: str, placement: dict | None = None):
     """Load a local Hugging Face checkpoint folder and its tokenizer."""
     if not (path / "config.json").is_file():
@@ -231,12 +148,12 @@ def _load_folder(path: pathlib.Path, dtype: torch.dtype, attn_implementation: st
             path, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation, **(placement or {})
         )
     except (OSError, ValueError, KeyError) as error:
-        raise OverRepError(f"cannot load the model in '{path}': {_first_line(error)}") from error
+        raise OverRepError(f"cannot load the model in '{path}': {first_line(error)}") from error
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise OverRepError(
-            f"the model folder '{path}' has no usable tokenizer ({_first_line(error)}); "
+            f"the model folder '{path}' has no usable tokenizer ({first_line(error)}); "
             f"save one there with tokenizer.save_pretrained"
         ) from error
     return model, tokenizer
@@ -299,14 +216,14 @@ def _load_embedded(dtype: torch.dtype, attn_implementation: str, placement: dict
         logger.info("converting the embedded model %s once into %s", gguf.name, folder)
         started = time.perf_counter()
         # Converted in float32, the GGUF's dequantised precision, whatever dtype is asked.
-        model, tokenizer = _load_gguf(gguf, torch.float32, attn_implementation)
+        model, tokenizer = load_gguf(gguf, torch.float32, attn_implementation)
         try:
             save_conversion(model, tokenizer, gguf, folder)
         except OSError as error:
             logger.warning("cannot write the model cache %s (%s); using the GGUF directly", folder, error)
             if placement:
                 del model
-                return (*_load_gguf(gguf, dtype, attn_implementation, placement), str(gguf))
+                return (*load_gguf(gguf, dtype, attn_implementation, placement), str(gguf))
             return model, tokenizer, str(gguf)
         logger.info("converted in %.1f s", time.perf_counter() - started)
         del model, tokenizer
@@ -337,7 +254,7 @@ def _load_hub(spec: str, dtype: torch.dtype, attn_implementation: str, placement
             ) from error
         raise OverRepError(
             f"model '{spec}' could not be loaded from the Hugging Face hub (repo not found, gated or "
-            f"incomplete: {_first_line(error)}); pass a local model folder instead"
+            f"incomplete: {first_line(error)}); pass a local model folder instead"
         ) from error
     return model, tokenizer
 
@@ -352,14 +269,6 @@ def _looks_like_path(spec: str) -> bool:
         return True
     first = pathlib.Path(spec).parts[0] if pathlib.Path(spec).parts else ""
     return bool(first) and os.path.exists(first)
-
-
-def _first_line(error: BaseException) -> str:
-    """The first non-empty line of an exception's message (library errors span many lines)."""
-    for line in str(error).splitlines():
-        if line.strip():
-            return line.strip()
-    return type(error).__name__
 
 
 def load_model(
@@ -399,7 +308,7 @@ def load_model(
             model, tokenizer = _load_folder(path, dtype, attn_implementation, placement)
         elif path.suffix == ".gguf":
             kind = "gguf"
-            model, tokenizer = _load_gguf(path, dtype, attn_implementation, placement)
+            model, tokenizer = load_gguf(path, dtype, attn_implementation, placement)
         else:
             raise OverRepError(f"model path '{spec}' is neither a model folder nor a .gguf file")
         source = str(path.resolve())
@@ -441,7 +350,7 @@ def load_config(spec: str | None = None) -> tuple[transformers.PretrainedConfig,
         try:
             return AutoConfig.from_pretrained(source, **kwargs)
         except (OSError, ValueError, KeyError) as error:
-            raise OverRepError(f"cannot read a model config from {what}: {_first_line(error)}") from None
+            raise OverRepError(f"cannot read a model config from {what}: {first_line(error)}") from None
 
     if spec is None or spec == EMBEDDED:
         gguf = embedded_gguf_path()
@@ -465,5 +374,5 @@ def load_config(spec: str | None = None) -> tuple[transformers.PretrainedConfig,
         if not online:
             raise OverRepError(f"cannot reach the Hugging Face hub for the config of '{spec}' and it is not in "
                                "the local cache; pass a config.json file or a model folder") from None
-        raise OverRepError(f"no config for '{spec}' on the Hugging Face hub ({_first_line(error)}); "
+        raise OverRepError(f"no config for '{spec}' on the Hugging Face hub ({first_line(error)}); "
                            "pass a config.json file or a model folder") from None

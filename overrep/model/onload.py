@@ -32,7 +32,7 @@ import re
 import torch
 from torch import nn
 
-from ..errors import OverRepError
+from ..errors import OverRepError, first_line
 from .arch import decoder_layers
 from .streaming import LAYERS_PREFIX, _Checkpoint, _give_freed_memory_back, named_like
 
@@ -152,7 +152,7 @@ def snapshot_folder(spec: str | None) -> tuple[pathlib.Path, str]:
     """``(a folder of safetensors shards, kind)`` for a model spec: the embedded model's
     converted folder, a local folder, or a hub id's snapshot in the Hugging Face cache
     (downloaded when the hub is reachable; only the config, tokenizer and safetensors)."""
-    from .loading import (EMBEDDED, _cached_conversion_valid, _first_line, _looks_like_path, embedded_cache_path,
+    from .loading import (EMBEDDED, _cached_conversion_valid, _looks_like_path, embedded_cache_path,
                           embedded_gguf_path, hub_reachable, load_model)
 
     if spec is None or spec == EMBEDDED:
@@ -175,7 +175,7 @@ def snapshot_folder(spec: str | None) -> tuple[pathlib.Path, str]:
         if not online:
             raise OverRepError(f"cannot reach the Hugging Face hub for '{spec}' and it is not in the local cache; "
                                "download it once online or pass a local folder") from None
-        raise OverRepError(f"cannot download '{spec}' from the Hugging Face hub: {_first_line(error)}") from None
+        raise OverRepError(f"cannot download '{spec}' from the Hugging Face hub: {first_line(error)}") from None
 
 
 def load_onloaded(spec: str | None, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
