@@ -104,3 +104,14 @@ def test_the_first_rows_of_kept_ones_and_another_precision():
         assert isinstance(prefix.scorer(model, ids), _TailScorer)
         assert torch.equal(row_token_nll(model, ids, prefix=prefix), row_token_nll(model, ids))
     assert len(prefix.states) == 2
+
+
+def test_rows_whose_states_would_not_fit_are_scored_whole(monkeypatch):
+    import overrep.model.prefix as prefix_module
+
+    dense = tiny_model("llama")
+    ids = tiny_ids(batch=4, seq=16)
+    monkeypatch.setattr(prefix_module, "MAX_STATE_BYTES", ids.numel() * dense.get_input_embeddings().embedding_dim * 4 - 1)
+    prefix = SharedPrefix(dense, 2)
+    assert torch.equal(row_token_nll(dense, ids, prefix=prefix), row_token_nll(dense, ids))
+    assert not prefix.states

@@ -33,6 +33,10 @@ from .placement import is_placed
 
 log = logging.getLogger(__name__)
 
+#: the most memory the kept states of one set of rows may take (on the CPU); a larger set is
+#: scored whole (the default run's test rows take 113 MB on the embedded model; a 7B model's
+#: hidden size makes them 0.8 GB)
+MAX_STATE_BYTES = 2 << 30
 #: largest difference of any token's loss between the whole forward and the shared-prefix one
 #: on the checked batch (both run the same operations, so they agree to rounding)
 AGREE = 1e-3
@@ -81,6 +85,8 @@ class SharedPrefix:
             if key.endswith(mode) and rows.shape[1] == ids.shape[1] and rows.shape[0] >= ids.shape[0] \
                     and torch.equal(rows[:ids.shape[0]], ids.cpu()):
                 return _TailScorer(model, self, key, states[:ids.shape[0]])
+        if ids.numel() * model.get_input_embeddings().embedding_dim * 4 > MAX_STATE_BYTES:
+            return WholeScorer(model)
         return _CapturingScorer(model, self, f"{tensor_digest(ids)}-{mode}", ids, self.start)
 
 
