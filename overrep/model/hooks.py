@@ -114,3 +114,15 @@ def teacher_features(model: nn.Module, input_ids: torch.Tensor, groups: list[Rec
 
 def module_context(full_context: list[dict], module: RecoveryModule) -> list[dict]:
     return [full_context[c] for c in module.compact_indices]
+
+
+def run_to_logits(h: torch.Tensor, blocks: list[tuple[nn.Module, dict]], norm: nn.Module | None, head: nn.Module,
+                  softcap: float | None = None) -> torch.Tensor:
+    """The logits of hidden states ``h`` run through ``blocks`` (each with the context
+    :func:`capture_layer_context` captured for it), ``norm`` (None: already applied) and
+    ``head``, with the model's final soft-capping where it has one (Gemma)."""
+    for block, kwargs in blocks:
+        out = block(h, **kwargs)
+        h = out[0] if isinstance(out, tuple) else out
+    logits = head(norm(h) if norm is not None else h).float()
+    return torch.tanh(logits / softcap) * softcap if softcap else logits

@@ -27,9 +27,10 @@ from torch import nn
 
 from ..memo import tensor_digest
 from .arch import decoder_layers, final_norm
-from .hooks import capture_layer_context
+from .hooks import capture_layer_context, run_to_logits
 from .onload import is_onloaded
-from .placement import is_placed
+from .placement import input_device, is_placed
+from .surgery import PrunePlan
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,11 @@ class SharedPrefix:
         under the same autocast as now."""
         if not self.shares(model):
             return WholeScorer(model)
-        mode = _autocast_mode(ids.device if ids.device.type != "cpu" else next(model.parameters()).device)
+        mode = _autocast_mode(input_device(model))
         for key, (rows, states) in self.states.items():
             if key.endswith(mode) and rows.shape[1] == ids.shape[1] and rows.shape[0] >= ids.shape[0] \
                     and torch.equal(rows[:ids.shape[0]], ids.cpu()):
-                return _TailScorer(model, self, key, states[:ids.shape[0]])
+                return _TailScorer(model, self, states[:ids.shape[0]])
         if ids.numel() * model.get_input_embeddings().embedding_dim * 4 > MAX_STATE_BYTES:
             return WholeScorer(model)
         return _CapturingScorer(model, self, f"{tensor_digest(ids)}-{mode}", ids, self.start)
@@ -130,7 +131,7 @@ class _TailScorer(WholeScorer):
     """The blocks from ``start`` on, the final norm and the head, on the kept hidden states;
     the first batch is checked against the whole forward."""
 
-    def __init__(self, model: nn.Module, prefix: SharedPrefix, key: str, states: torch.Tensor):
+    def __init__(self, model: nn.Module, prefix: SharedPrefix, states: torch.Tensor):
         super().__init__(model)
         self.prefix, self.states, self.whole, self.checked = prefix, states, False, False
         layers = decoder_layers(model)
@@ -139,20 +140,11 @@ class _TailScorer(WholeScorer):
         self.norm, self.head = final_norm(model), model.get_output_embeddings()
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
 
-    def _tail(self, start: int, n: int) -> torch.Tensor:
-        h = self.states[start:start + n].to(self.head.weight.device)
-        for block, kwargs in self.blocks:
-            out = block(h, **kwargs)
-            h = out[0] if isinstance(out, tuple) else out
-        logits = self.head(self.norm(h))
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
     def logits(self, start: int, x: torch.Tensor) -> torch.Tensor:
         if self.whole:
             return super().logits(start, x)
-        got = self._tail(start, x.shape[0])
+        got = run_to_logits(self.states[start:start + x.shape[0]].to(self.head.weight.device), self.blocks,
+                            self.norm, self.head, self.softcap)
         if not self.checked:  # the first batch, run whole too
             self.checked = True
             want = super().logits(start, x)
@@ -179,11 +171,10 @@ def token_nll(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return -logp[:, :-1].gather(-1, x[:, 1:, None])[..., 0]
 
 
-def first_changed_block(plan) -> int:
+def first_changed_block(plan: PrunePlan) -> int:
     """The first block a block-pruning ``plan`` removes or a recovery module of it trains
     (dense numbering): the blocks before it are the dense model's in every model of the run,
-    unless a method changes them all (which :meth:`SharedPrefix.shares` finds). 0 for a plan
-    that narrows every block (width pruning)."""
-    removed = list(getattr(plan, "removed", None) or [])
-    trained = [g.module_layers[0] for g in getattr(plan, "groups", None) or [] if g.module_layers]
-    return min(removed + trained) if removed else 0
+    unless a method changes them all (which :meth:`SharedPrefix.shares` finds); 0 where it
+    removes none."""
+    trained = [g.module_layers[0] for g in plan.groups if g.module_layers]
+    return min(list(plan.removed) + trained) if plan.removed else 0

@@ -48,6 +48,7 @@ from ..memo import digest, memoised
 from ..registry import Registry
 from ..core.precision import autocast
 from ..model.arch import decoder_layers, final_norm, input_norm
+from ..model.hooks import run_to_logits
 from ..model.placement import execution_device, input_device
 from .closed_form import sink_mask
 
@@ -227,15 +228,7 @@ class Tail:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         with autocast(getattr(self.module, "precision", "fp32"), h.device):
-            for block, kwargs in self.blocks:
-                out = block(h, **kwargs)
-                h = out[0] if isinstance(out, tuple) else out
-            if self.norm is not None:
-                h = self.norm(h)
-            logits = self.head(h).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+            return run_to_logits(h, self.blocks, self.norm, self.head, self.softcap)
 
 
 # ---- the losses themselves -----------------------------------------------------------
