@@ -430,3 +430,45 @@ def test_the_probe_times_a_validation_on_a_sample_of_its_rows():
     with pytest.raises(RuntimeError), objective.validation_sample(0.5):
         raise RuntimeError("timing failed")
     assert objective.val_ids.shape[0] == 12
+
+
+def test_the_probe_times_each_phase_of_a_two_loss_objective(tmp_path, monkeypatch):
+    """A step of a loss through the frozen tail (``ce``, ``kl-topk``) costs several of a
+    layer-wise one: ``A>B`` is timed in each phase, weighted by its share, and ``anneal`` (what
+    a re-fit scales by) is the first phase, where a run starts."""
+    import torch
+
+    from overrep.recovery import trainer as trainer_mod
+    from overrep.recovery.objectives import Layerwise
+    from overrep.recovery.options import TrainingOptions
+
+    class Lin(torch.nn.Module):
+        activation = None
+        norm = None
+
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, h, ctx):
+            return self.lin(h)
+
+    clock, cost = [0.0], {"mse": 1.0, "normed": 4.0}
+    objective = Layerwise([Lin()], [[]], None, loss="mse>normed", switch=0.75, total_steps=100)
+    objective.activations = []  # no annealed activation: the loss's phases alone
+    seen = []
+
+    def step(self):
+        seen.append((self.step, self.objective.current()))
+        clock[0] += cost[self.objective.current()]
+        self.objective.after_optimizer_step(self.step)
+        return 0.0, torch.tensor(0.0)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "_step", step)
+    monkeypatch.setattr(trainer_mod.time, "perf_counter", lambda: clock[0])
+    t = trainer_mod.Trainer(objective, 64, TrainingOptions(batch_size=8, lr=1e-3), 100, tmp_path / "ckpt", progress=False)
+    assert t.stretches() == [(37, 0.75), (87, 0.25)]
+    costs = t.measure()
+    assert {phase for _, phase in seen} == {"mse", "normed"}
+    assert costs.step == pytest.approx(0.75 * 1.0 + 0.25 * 4.0) and costs.anneal == 1.0
+    assert objective.current() == "mse"  # back at the start

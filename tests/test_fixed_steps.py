@@ -9,8 +9,9 @@ sum and the sum of absolute values of every exported tensor, added over tensors,
 pin survives a different summation order (another CPU's kernels) but not a different
 weight anywhere: one changed entry of 1e-4 moves ``abs`` by more than the tolerance.
 
-Every run is pinned from a cold start (``recovery.warm_start: none``), as the pins were made;
-the default warm start (``auto``) has a pin of its own.
+Every run is pinned from a cold start (``recovery.warm_start: none``) and on the ``normed``
+loss, as the pins were made; the default warm start (``auto``) and the default loss
+(``normed>ce``, a next-token phase after the layer-wise one) have pins of their own.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ PINNED = {
     "overrep --loss logit": (292.4063199631727, 934.619349197589),
     "overrep --loss kl-topk": (292.27083873547787, 934.3148946599442),
     "overrep --loss mse>normed": (292.3488188371474, 934.934629432716),
+    "overrep --loss normed>ce": (292.35226051017884, 934.9706155806839),
     "overrep --set cache.mode=live": (292.3488188371474, 934.934629432716),
     "overrep --prune width --set prune.remove=null --set prune.ratio=0.2": (420.5741398781316, 1110.9913861090108),
     "lora --prune width --set prune.remove=null --set prune.ratio=0.2": (419.526808017465, 1110.9466100738255),
@@ -61,7 +63,8 @@ def checksum(folder) -> tuple[float, float]:
 @pytest.mark.parametrize("run", list(PINNED))
 def test_fixed_step_run_exports_the_pinned_weights(assets, tmp_path, run, capsys):
     cfg = tmp_path / "cfg.yaml"
-    tiny_cfg(assets, tmp_path / "run", eval__perplexity=False, eval__latency=False, recovery__warm_start="none").save(cfg)
+    tiny_cfg(assets, tmp_path / "run", eval__perplexity=False, eval__latency=False, recovery__warm_start="none",
+             recovery__loss="normed").save(cfg)
     assert main(["run", "--config", str(cfg), "--quiet", "--max-steps", "6", "--method", *run.split(),
                  "--set", "recovery.precision=fp32", "--set", "recovery.threads=1"]) == 0
     capsys.readouterr()

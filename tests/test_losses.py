@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -120,7 +121,8 @@ def test_mse_is_the_original_objective_bit_for_bit():
 
 def test_loss_spelling():
     assert losses.parse_loss("normed>kl-topk") == ["normed", "kl-topk"]
-    assert RunConfig.load().recovery.loss == "normed"  # the default (docs/losses.md, README)
+    assert RunConfig.load().recovery.loss == "normed>ce"  # the default (docs/losses.md, README)
+    assert RunConfig.load().recovery.loss_switch == 0.8
     with pytest.raises(OverRepError, match="A>B"):
         RunConfig.load(overrides={"recovery": {"loss": "mse>normed>logit"}})
     with pytest.raises(OverRepError, match="available: mse, normed"):
@@ -128,7 +130,7 @@ def test_loss_spelling():
 
 
 @pytest.mark.parametrize("loss,remove", [("normed", "2-3"), ("fisher", "3-4"), ("logit", "3-4"),
-                                         ("kl-topk", "2-3"), ("mse>kl-topk", "3-4")])
+                                         ("kl-topk", "2-3"), ("mse>kl-topk", "3-4"), ("normed>ce", "2-3")])
 def test_each_loss_runs_through_the_cli(assets, tmp_path, loss, remove):
     cfg = tmp_path / "c.yaml"
     out = tmp_path / "run"
@@ -160,6 +162,19 @@ def test_val_ppl_matches_the_pruned_model_as_it_stands(assets, tmp_path):
 
     ppl = pipe.recovery.objective.validation_ppl()
     assert ppl == pytest.approx(perplexity(pipe.pruned, pipe.val_ids, progress=False))
+
+
+def test_ce_is_the_pruned_models_next_token_loss(assets, tmp_path):
+    """``ce`` through the frozen tail is the loss of the whole pruned model on the same rows."""
+    cfg = tiny_cfg(assets, tmp_path / "ce", recovery__steps=2, recovery__loss="ce")
+    pipe = Pipeline(cfg, progress=False)
+    pipe.load(create_output=False)
+    pipe.prune()
+    pipe.build_recovery()
+    from overrep.model.perplexity import perplexity
+
+    got = pipe.recovery.objective.validation_loss()
+    assert got == pytest.approx(math.log(perplexity(pipe.pruned, pipe.val_ids, progress=False)), rel=1e-4)
 
 
 def test_topk_kl_with_the_rest_bucket_sees_mass_outside_the_support():

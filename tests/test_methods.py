@@ -46,7 +46,7 @@ def test_every_method_exports_a_loadable_compact_model(assets, tmp_path, method)
     assert m["lr"] == METHODS[method].default_lr
     assert m["precision"] == resolve_precision("auto", "cpu")  # the default, resolved for this CPU
     # the layer-wise loss is recorded where one applies (the run default), absent for LM/KD methods
-    assert m.get("loss") == ("normed" if METHODS[method].objective == "layerwise" else None)
+    assert m.get("loss") == ("normed>ce" if METHODS[method].objective == "layerwise" else None)
     losses = [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert all(torch.isfinite(torch.tensor(losses)))
 

@@ -29,6 +29,9 @@ def plot_training(history: list[dict], path: Path, loss: str = "layer-wise MSE",
     val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
     if val:
         ax1.plot(*zip(*val), "o-", ms=3, label=f"held-out {loss}")
+    for prev, h in zip(history, history[1:]):
+        if h.get("phase") != prev.get("phase"):  # an A>B loss: where B takes over
+            ax1.axvline(h["step"] - 0.5, color="tab:purple", ls="--", lw=1, label=f"{h.get('phase')} from here")
     ax1.set_yscale("log")
     ax1.set_ylabel(loss)
     ppl = [(h["step"], h["val_ppl"]) for h in history if h.get("val_ppl") is not None]

@@ -90,6 +90,14 @@ class Objective:
     def set_total_steps(self, total: int) -> None:
         """The run now lasts ``total`` steps (phases that are fractions of it follow)."""
 
+    def phase_starts(self) -> list[int]:
+        """Steps at which the objective changes what a step computes (a budget times each phase)."""
+        return []
+
+    def phase(self) -> str | None:
+        """What the next step computes, where the objective has phases (None: one phase)."""
+        return None
+
     def extra_state(self) -> dict:
         return {}
 
@@ -140,6 +148,12 @@ class Layerwise(Objective):
 
     def set_total_steps(self, total: int) -> None:
         self.switch_step = int(round(self.switch * total))
+
+    def phase_starts(self) -> list[int]:
+        return [self.switch_step] if len(self.phases) > 1 else []
+
+    def phase(self) -> str | None:
+        return self.current() if len(self.phases) > 1 else None
 
     def current(self) -> str:
         """The loss the modules train with now."""

@@ -269,18 +269,32 @@ class Trainer:
         self.objective.after_optimizer_step(self.step)
         return total, gnorm
 
+    def stretches(self) -> list[tuple[int, float]]:
+        """(a step inside it, its share of the run) for each stretch of the schedule where a
+        step may cost differently: the annealing and the final linear phase of the activations
+        (folded projections are cheaper), and the phases of an objective's ``A>B`` loss (a loss
+        through the frozen tail costs more than a layer-wise one)."""
+        total = self.total
+        cuts = {0, total, *self.objective.phase_starts()}
+        if self.objective.activations:
+            cuts.add(math.ceil(AlphaSchedule(total, self.cfg.alpha_warmup_ratio, self.cfg.alpha_linear_ratio).decay_end))
+        cuts = sorted(c for c in cuts if 0 <= c <= total)
+        return [((a + b - 1) // 2, (b - a) / total) for a, b in zip(cuts, cuts[1:]) if b > a]
+
     def measure(self, steps: int = 2) -> StepCosts:
-        """Time real steps where the schedule spends its time -- ``steps`` in the annealing
-        phase (α > 0, two factors per projection) and ``steps`` in the final linear phase
-        (folded projections), weighted by their shares of the run -- plus one validation and
-        one checkpoint (the validation timed on :data:`VALIDATION_PROBE_FRACTION` of its rows and
-        scaled up). It changes the weights: the caller rebuilds the recovery afterwards."""
+        """Time real steps in each stretch of the schedule whose steps may cost differently
+        (:meth:`stretches`; ``steps`` timed in each), weighted by their shares of the run, plus
+        one validation and one checkpoint (the validation timed on
+        :data:`VALIDATION_PROBE_FRACTION` of its rows and scaled up). ``anneal`` is the first
+        stretch's cost, where a run starts and its re-fits time it. It changes the weights: the
+        caller rebuilds the recovery afterwards."""
         import tempfile
 
         self.objective.train(True)
 
         def timed(at: int) -> float:
             self.step = at
+            self.objective.after_optimizer_step(at - 1)  # the objective's phase at that step
             self._step()  # untimed: the first step at a new phase pays one-off costs
             times = []
             for _ in range(steps):
@@ -289,9 +303,9 @@ class Trainer:
                 times.append(time.perf_counter() - t0)
             return sorted(times)[len(times) // 2]
 
-        linear = min(1.0, max(0.0, self.cfg.alpha_linear_ratio)) if self.objective.activations else 0.0
-        anneal = timed(self.total // 2)
-        step = (1 - linear) * anneal + (linear * timed(self.total - 1) if linear else 0.0)
+        costs = [(timed(at), share) for at, share in self.stretches()]
+        anneal, step = costs[0][0], sum(c * share for c, share in costs)
+        self.objective.after_optimizer_step(-1)
         self.step = 0
         # a quarter of the rows, scaled up: at a short budget a whole validation, timed only to
         # learn what one costs, was up to a fifth of the budget
@@ -321,7 +335,7 @@ class Trainer:
         timed_from = 1  # the steps a re-fit times: since the last one (the first step pays one-off costs)
         try:
             while self.step < self.total:
-                t0 = time.perf_counter()
+                t0, phase = time.perf_counter(), obj.phase()
                 total, gnorm = self._step()
                 self.step += 1
                 step_seconds.append(time.perf_counter() - t0)
@@ -331,7 +345,9 @@ class Trainer:
                     timed_from, bar.total = len(step_seconds), self.total
                 refit_at = [s for s in refit_at if s > self.step]
                 rec = {"step": self.step, "loss": total, "lr": self.opt.param_groups[0]["lr"],
-                       "alpha": self.alpha, "grad_norm": float(gnorm)}
+                       "alpha": self.alpha, "grad_norm": float(gnorm), "seconds": round(step_seconds[-1], 4)}
+                if phase is not None:  # an A>B loss: which one this step trained on
+                    rec["phase"] = phase
                 stop = self.past_deadline(step_seconds)
                 if stop:  # scored as it will be exported: α where its schedule ends (0, it folds)
                     for a in obj.activations:
