@@ -472,3 +472,16 @@ def test_the_probe_times_each_phase_of_a_two_loss_objective(tmp_path, monkeypatc
     assert {phase for _, phase in seen} == {"mse", "normed"}
     assert costs.step == pytest.approx(0.75 * 1.0 + 0.25 * 4.0) and costs.anneal == 1.0
     assert objective.current() == "mse"  # back at the start
+
+
+def test_a_next_token_phase_gets_rows_of_its_own():
+    """The ``ce`` phase of ``normed>ce`` memorises rows it sees twice (docs/losses.md): a budget
+    caches enough rows for its steps to see each once, and the phase starts a fresh pass."""
+    from overrep.recovery.losses import fresh_share
+
+    assert fresh_share("normed", 0.8) == 0.0 and fresh_share("ce", 0.8) == 1.0
+    assert fresh_share("normed>ce", 0.8) == pytest.approx(0.2)
+    layerwise = StepCosts(1.0, 0.0, 0.0, rows_per_step=8, max_rows=10_000, passes=6)
+    assert layerwise.rows(200) == 267  # 200 steps x 8 rows / 6 passes
+    mixed = StepCosts(1.0, 0.0, 0.0, rows_per_step=8, max_rows=10_000, passes=6, fresh_share=0.5)
+    assert mixed.rows(200) == 800  # the last 100 steps x 8 rows, each once

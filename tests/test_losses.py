@@ -189,3 +189,27 @@ def test_topk_kl_with_the_rest_bucket_sees_mass_outside_the_support():
     mask = torch.ones_like(changed, dtype=torch.bool).scatter_(-1, i, False)
     changed[mask] += 5.0
     assert losses.topk_kl(changed, v, i, rest=True) > losses.topk_kl(student, v, i, rest=True) + 1
+
+
+def test_the_second_phase_starts_a_fresh_pass_over_the_rows(tmp_path):
+    """Steps from an A>B objective's switch draw a new shuffle that covers every row before
+    any repeats, whatever the first phase had reached; before it the order is unchanged."""
+    from overrep.recovery.options import TrainingOptions
+    from overrep.recovery.sampler import epoch_batches
+    from overrep.recovery.trainer import Trainer
+
+    class Lin(torch.nn.Module):
+        activation = None
+        norm = None
+
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+    obj = Layerwise([Lin()], [[]], None, loss="normed>ce", switch=0.7, total_steps=20)
+    obj.activations = []
+    t = Trainer(obj, 24, TrainingOptions(batch_size=4, lr=1e-3), 20, tmp_path, progress=False)
+    assert obj.phase_starts() == [14]
+    assert t.batch_indices(3) == epoch_batches(24, 4, seed=0, epoch=0)[3]
+    second = [i for s in range(14, 20) for i in t.batch_indices(s)]
+    assert sorted(second) == list(range(24))

@@ -151,7 +151,8 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         del run, probe
         if sizes_cache:
             costs = dataclasses.replace(costs, row=teacher.row_seconds, rows_per_step=per_step,
-                                        max_rows=inputs.train_ids.shape[0], passes=r.budget_passes)
+                                        max_rows=inputs.train_ids.shape[0], passes=r.budget_passes,
+                                        fresh_share=fresh_share(r.loss, r.loss_switch))
         left = budget - (time.perf_counter() - started) - max(0.0, rebuild)
         costs = world.broadcast(costs)  # rank 0's figures decide
         info.update({f"measured_{k}": v for k, v in (("seconds_per_step", costs.step),
@@ -184,7 +185,8 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
     rows = None
     if sizes_cache:
         rows = info["rows"] = StepCosts(0, 0, 0, rows_per_step=per_step, max_rows=inputs.train_ids.shape[0],
-                                        passes=r.budget_passes).rows(total)
+                                        passes=r.budget_passes,
+                                        fresh_share=fresh_share(r.loss, r.loss_switch)).rows(total)
     return BudgetFit(total, rows, costs, info, eval_every if costs is not None else None)
 
 

@@ -63,7 +63,9 @@ class StepCosts:
     """Measured seconds: one optimiser step (``step``: averaged over the schedule's phases;
     ``anneal``: in the α > 0 phase, where a run starts), one validation, one checkpoint;
     optionally the features of one new training row (``row``, for ``rows_per_step`` rows a
-    step, at most ``max_rows`` in all, each planned to be seen ``passes`` times)."""
+    step, at most ``max_rows`` in all, each planned to be seen ``passes`` times, except by the
+    last ``fresh_share`` of the steps, whose loss learns the text itself and should see each row
+    once: :func:`overrep.recovery.losses.fresh_share`)."""
 
     step: float
     validation: float
@@ -73,10 +75,12 @@ class StepCosts:
     rows_per_step: int = 0
     max_rows: int = 0
     passes: float = 1.0
+    fresh_share: float = 0.0
 
     def rows(self, steps: int) -> int:
         """Training rows ``steps`` steps need features for (at least one step's worth)."""
-        need = math.ceil(steps * self.rows_per_step / self.passes)
+        need = max(math.ceil(steps * self.rows_per_step / self.passes),
+                   math.ceil(self.fresh_share * steps * self.rows_per_step))
         return min(self.max_rows, max(need, self.rows_per_step))
 
     def run_seconds(self, steps: int, eval_every: int, checkpoint_every: int) -> float:

@@ -323,13 +323,26 @@ class Loss:
     output ``pred`` [B, T, H] against its features ``feats`` (``targets`` [B, T, H] and any
     row extras) with its constants ``aux``. ``prepare(setup)``: those constants, one dict per
     module, computed once. ``rows(setup)``: per-row extras the batches carry (for the
-    training rows and for the validation probe's rows), or None."""
+    training rows and for the validation probe's rows), or None. ``fresh``: the loss learns
+    the training text itself, so a row it sees twice is partly memorised; a time budget then
+    caches enough rows for each step of it to see new ones (:func:`fresh_share`)."""
 
     name: str
     description: str
     compute: Callable[..., torch.Tensor]
     prepare: Callable[[LossSetup], list[dict]] = _none
     rows: Callable[[LossSetup], tuple[dict, dict]] | None = field(default=None)
+    fresh: bool = False
+
+
+def fresh_share(spec: str, switch: float) -> float:
+    """The share of a run's steps whose loss should see each training row once (``fresh``):
+    the next-token phase of ``normed>ce`` seeing its rows a second time drove its training loss
+    from 3.9 to 3.0 and cost the test domains 10-15% (docs/losses.md)."""
+    phases = [LOSSES[name] for name in parse_loss(spec)]
+    if len(phases) == 1:
+        return 1.0 if phases[0].fresh else 0.0
+    return switch * phases[0].fresh + (1 - switch) * phases[1].fresh
 
 
 def _target(pred: torch.Tensor, feats: dict) -> torch.Tensor:
@@ -420,11 +433,11 @@ for _loss in [
     Loss("kl-topk", "KL to the dense model's cached top-K logits, through the remaining frozen blocks", _kl_topk,
          _tails, _kl_topk_rows),
     Loss("ce", "next-token cross-entropy on the training text, through the remaining frozen blocks", _ce, _tails,
-         _ce_rows),
+         _ce_rows, fresh=True),
 ]:
     LOSSES.register(_loss)
 
 
-__all__ = ["LOSSES", "Loss", "LossSetup", "LossOptions", "parse_loss", "loss_help", "normed_loss", "weighted_mse", "logit_loss", "topk_kl",
+__all__ = ["LOSSES", "Loss", "LossSetup", "LossOptions", "parse_loss", "fresh_share", "loss_help", "normed_loss", "weighted_mse", "logit_loss", "topk_kl",
            "centred_gram", "downstream_gain", "norm_gain", "fisher_diagonal", "cached_fisher", "teacher_topk",
            "cached_topk", "Tail"]

@@ -9,13 +9,15 @@ from ..errors import OverRepError
 
 
 def epoch_batches(
-    num_samples: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool = True
+    num_samples: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool = True, phase: int = 0
 ) -> list[list[int]]:
     """Shuffled sample-index batches for one epoch, a pure function of (seed, epoch).
 
     Uses Python's ``random.Random`` seeded with a string (sha512-based, stable across
     Python versions and independent of torch), so a resumed run can recompute the same
-    epoch and skip the batches it already trained on.
+    epoch and skip the batches it already trained on. ``phase``: the step at which an
+    objective's later phase began (0: the run's start); its epochs count from there, so that
+    phase starts on a fresh pass over the rows.
     """
     if not isinstance(batch_size, int) or batch_size <= 0:
         raise OverRepError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -27,6 +29,6 @@ def epoch_batches(
             "lower the batch size or use more calibration samples"
         )
     order = list(range(num_samples))
-    random.Random(f"overrep-epoch:{seed}:{epoch}").shuffle(order)
+    random.Random(f"overrep-epoch:{seed}:{epoch}" + (f":from-step-{phase}" if phase else "")).shuffle(order)
     stop = num_samples - num_samples % batch_size if drop_last else num_samples
     return [order[i:i + batch_size] for i in range(0, stop, batch_size)]

@@ -169,8 +169,11 @@ class Trainer:
 
     # ---- data --------------------------------------------------------------------
     def batch_indices(self, step: int) -> list[int]:
-        epoch, i = divmod(step, self.steps_per_epoch)
-        return epoch_batches(self.num_samples, self.per_step, seed=self.cfg.seed, epoch=epoch)[i]
+        # an objective's later phase (the next-token phase of normed>ce) starts a fresh pass over
+        # the rows, so that it sees each once before any twice (losses.fresh_share sizes the rows)
+        start = max((s for s in self.objective.phase_starts() if 0 < s <= step), default=0)
+        epoch, i = divmod(step - start, self.steps_per_epoch)
+        return epoch_batches(self.num_samples, self.per_step, seed=self.cfg.seed, epoch=epoch, phase=start)[i]
 
     @property
     def alpha(self) -> float:
