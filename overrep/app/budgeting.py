@@ -25,6 +25,7 @@ from ..errors import OverRepError
 from ..model.arch import decoder_layers
 from ..model.flops import blocks_macs
 from ..recovery.budget import StepCosts, fit_steps, parse_duration, spread, validation_plan
+from ..recovery.losses import fresh_share
 from ..recovery.methods import Method, MethodInputs, build_recovery
 from ..recovery.teacher import PROBE_ROWS
 
