@@ -145,7 +145,8 @@ def recovery_step_fn(p):
     """One recovery step as Trainer.run takes it (same optimiser, lr, alpha, loss, clipping), at step
     indices from the middle of a default-length run."""
     from overrep.app.config import RunConfig
-    from overrep.recovery.trainer import Trainer, lr_factor
+    from overrep.core.schedule import lr_factor
+    from overrep.recovery.trainer import Trainer
 
     cfg = p.rcfg
     total = RunConfig().total_steps()  # a notional full run, so alpha sits inside its annealing phase

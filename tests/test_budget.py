@@ -441,20 +441,10 @@ def test_the_probe_times_each_phase_of_a_two_loss_objective(tmp_path, monkeypatc
     from overrep.recovery import trainer as trainer_mod
     from overrep.recovery.objectives import Layerwise
     from overrep.recovery.options import TrainingOptions
-
-    class Lin(torch.nn.Module):
-        activation = None
-        norm = None
-
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 4)
-
-        def forward(self, h, ctx):
-            return self.lin(h)
+    from tiny import LinearModule
 
     clock, cost = [0.0], {"mse": 1.0, "normed": 4.0}
-    objective = Layerwise([Lin()], [[]], None, loss="mse>normed", switch=0.75, total_steps=100)
+    objective = Layerwise([LinearModule()], [[]], None, loss="mse>normed", switch=0.75, total_steps=100)
     objective.activations = []  # no annealed activation: the loss's phases alone
     seen = []
 

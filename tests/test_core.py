@@ -314,7 +314,7 @@ def test_alpha_schedule_breakpoints():
 
 
 def test_learning_rate_warm_up_lasts_its_steps_however_short_the_run():
-    from overrep.recovery.trainer import lr_factor
+    from overrep.core.schedule import lr_factor
 
     assert lr_factor(0, 1000, 0.01, 0.1) == pytest.approx(0.1)  # 10 steps: 1% of 1000
     assert lr_factor(9, 1000, 0.01, 0.1) == pytest.approx(1.0)

@@ -197,16 +197,9 @@ def test_the_second_phase_starts_a_fresh_pass_over_the_rows(tmp_path):
     from overrep.recovery.options import TrainingOptions
     from overrep.recovery.sampler import epoch_batches
     from overrep.recovery.trainer import Trainer
+    from tiny import LinearModule
 
-    class Lin(torch.nn.Module):
-        activation = None
-        norm = None
-
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 4)
-
-    obj = Layerwise([Lin()], [[]], None, loss="normed>ce", switch=0.7, total_steps=20)
+    obj = Layerwise([LinearModule()], [[]], None, loss="normed>ce", switch=0.7, total_steps=20)
     obj.activations = []
     t = Trainer(obj, 24, TrainingOptions(batch_size=4, lr=1e-3), 20, tmp_path, progress=False)
     assert obj.phase_starts() == [14]

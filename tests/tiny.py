@@ -148,3 +148,18 @@ def run_killed_at(monkeypatch, cfg, step: int) -> None:
             Pipeline(cfg, progress=False).run()
     finally:
         monkeypatch.setattr(Trainer, "batch_indices", original)
+
+
+class LinearModule(torch.nn.Module):
+    """The least a layer-wise objective can train: a 4 -> 4 linear map with no annealed
+    activation and no final norm (objective and trainer tests that need no model)."""
+
+    activation = None
+    norm = None
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, h, ctx):
+        return self.lin(h)

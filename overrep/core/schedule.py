@@ -118,3 +118,13 @@ class AnnealedActivation(torch.nn.Module):
         self.enabled = bool(state.get("enabled", True))
         self.step = int(state["step"])
         self.alpha = float(state["alpha"])
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float, warmup_steps: int = 0) -> float:
+    """The learning rate's factor at ``step``: a linear warm-up over ``max(warmup_ratio * total,
+    warmup_steps)`` steps (at least one), then a cosine to ``min_ratio`` at ``total``."""
+    warm = max(1, int(round(warmup_ratio * total)), warmup_steps)
+    if step < warm:
+        return (step + 1) / warm
+    t = (step - warm) / max(1, total - warm)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))

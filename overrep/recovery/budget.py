@@ -103,6 +103,13 @@ def spread(steps: int, validations: int) -> int:
     return math.ceil(steps / validations) if validations > 0 else 0
 
 
+def stretches(total: int, cuts) -> list[tuple[int, float]]:
+    """(a step inside it, its share of the run) for each stretch of a ``total``-step run
+    between ``cuts``: the parts of a schedule whose steps may cost differently, each timed once."""
+    edges = sorted({0, total, *(c for c in cuts if 0 <= c <= total)})
+    return [((a + b - 1) // 2, (b - a) / total) for a, b in zip(edges, edges[1:]) if b > a]
+
+
 def fit_steps(seconds_left: float, costs: StepCosts, eval_every: int, checkpoint_every: int) -> int:
     """The largest step count whose training fits in ``seconds_left`` (at least 1)."""
     if costs.run_seconds(1, eval_every, checkpoint_every) > seconds_left:

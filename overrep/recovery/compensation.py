@@ -39,7 +39,7 @@ from ..model.placement import input_device
 from ..model.surgery import PrunePlan, contiguous_runs
 from .closed_form import _block_output, token_weights
 from .losses import teacher_topk, topk_kl
-from .trainer import lr_factor
+from ..core.schedule import lr_factor
 
 log = logging.getLogger(__name__)
 

@@ -31,14 +31,14 @@ from tqdm.auto import tqdm
 
 from ..atomic import save_torch, write_text
 from . import sharding
-from .budget import Deadline, StepCosts, spread
+from .budget import Deadline, StepCosts, spread, stretches
 from .keep_best import KeepBest
 from .sampler import epoch_batches
 from ..distributed import SINGLE, World
 from ..errors import OverRepError
 from .objectives import Objective
 from .options import TrainingOptions
-from ..core.schedule import AlphaSchedule
+from ..core.schedule import AlphaSchedule, lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +55,6 @@ def make_optimizer(objective: Objective, cfg: TrainingOptions) -> torch.optim.Ad
     no_decay = [p for p in params if id(p) not in dec]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
-
-
-def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float, warmup_steps: int = 0) -> float:
-    """The learning rate's factor at ``step``: a linear warm-up over ``max(warmup_ratio * total,
-    warmup_steps)`` steps (at least one), then a cosine to ``min_ratio`` at ``total``."""
-    warm = max(1, int(round(warmup_ratio * total)), warmup_steps)
-    if step < warm:
-        return (step + 1) / warm
-    t = (step - warm) / max(1, total - warm)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
 def trainable_state(objective: Objective) -> dict:
@@ -273,24 +263,20 @@ class Trainer:
         return total, gnorm
 
     def stretches(self) -> list[tuple[int, float]]:
-        """(a step inside it, its share of the run) for each stretch of the schedule where a
-        step may cost differently: the annealing and the final linear phase of the activations
-        (folded projections are cheaper), and the phases of an objective's ``A>B`` loss (a loss
-        through the frozen tail costs more than a layer-wise one)."""
-        total = self.total
-        cuts = {0, total, *self.objective.phase_starts()}
+        """:func:`~overrep.recovery.budget.stretches` of this run: cut where the activations'
+        final linear phase begins (folded projections are cheaper) and where an ``A>B`` loss
+        switches (a loss through the frozen tail costs more than a layer-wise one)."""
+        cuts = list(self.objective.phase_starts())
         if self.objective.activations:
-            cuts.add(math.ceil(AlphaSchedule(total, self.cfg.alpha_warmup_ratio, self.cfg.alpha_linear_ratio).decay_end))
-        cuts = sorted(c for c in cuts if 0 <= c <= total)
-        return [((a + b - 1) // 2, (b - a) / total) for a, b in zip(cuts, cuts[1:]) if b > a]
+            cuts.append(math.ceil(AlphaSchedule(self.total, self.cfg.alpha_warmup_ratio,
+                                                self.cfg.alpha_linear_ratio).decay_end))
+        return stretches(self.total, cuts)
 
     def measure(self, steps: int = 2) -> StepCosts:
-        """Time real steps in each stretch of the schedule whose steps may cost differently
-        (:meth:`stretches`; ``steps`` timed in each), weighted by their shares of the run, plus
-        one validation and one checkpoint (the validation timed on
-        :data:`VALIDATION_PROBE_FRACTION` of its rows and scaled up). ``anneal`` is the first
-        stretch's cost, where a run starts and its re-fits time it. It changes the weights: the
-        caller rebuilds the recovery afterwards."""
+        """Time ``steps`` real steps in each of :meth:`stretches`, weighted by their shares
+        (``anneal``: the first, where a run starts and its re-fits time it), one validation (on
+        :data:`VALIDATION_PROBE_FRACTION` of its rows, scaled up) and one checkpoint. It changes
+        the weights: the caller rebuilds the recovery afterwards."""
         import tempfile
 
         self.objective.train(True)
