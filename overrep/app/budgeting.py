@@ -136,6 +136,7 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
     asked = r.time_budget if seconds is None else f"{r.time_budget} (cut to {seconds:.0f} s by recovery.run_limit)"
     per_step = r.batch_size * r.grad_accum
     sizes_cache = method.needs_features and cache_mode == "disk"
+    fresh = fresh_share(r.loss, r.loss_switch) if sizes_cache else 0.0  # rows a next-token phase sees once
     info: dict = {"seconds": budget}
     total, costs = resumed_total, None
     if total is None:
@@ -153,7 +154,7 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         if sizes_cache:
             costs = dataclasses.replace(costs, row=teacher.row_seconds, rows_per_step=per_step,
                                         max_rows=inputs.train_ids.shape[0], passes=r.budget_passes,
-                                        fresh_share=fresh_share(r.loss, r.loss_switch))
+                                        fresh_share=fresh)
         left = budget - (time.perf_counter() - started) - max(0.0, rebuild)
         costs = world.broadcast(costs)  # rank 0's figures decide
         info.update({f"measured_{k}": v for k, v in (("seconds_per_step", costs.step),
@@ -186,8 +187,7 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
     rows = None
     if sizes_cache:
         rows = info["rows"] = StepCosts(0, 0, 0, rows_per_step=per_step, max_rows=inputs.train_ids.shape[0],
-                                        passes=r.budget_passes,
-                                        fresh_share=fresh_share(r.loss, r.loss_switch)).rows(total)
+                                        passes=r.budget_passes, fresh_share=fresh).rows(total)
     return BudgetFit(total, rows, costs, info, eval_every if costs is not None else None)
 
 
