@@ -68,13 +68,6 @@ MIN_BUDGET_STEPS = 10
 MIN_WARM_BUDGET_STEPS = 20
 
 
-#: the final evaluation's predicted cost is the dense model's times the compact/dense parameter
-#: ratio, times this margin. On a 2-core AVX2 EPYC in fp32 the recovered model's evaluation took
-#: 0.71 of the dense one's at a parameter ratio of 0.71 when every model was scored whole, and
-#: 0.60 (165 s against 277 s) since the blocks the models share are run once (model.prefix); a
-#: margin of 1.15 then predicted 226 s and left a minute of a 19-minute limit unused. The
-#: reserve below covers what the ratio misses.
-FINAL_EVAL_MARGIN = 1.0
 #: the share of ``recovery.run_limit`` kept for the export, the report and what nothing measures
 RUN_LIMIT_RESERVE = 0.03
 
@@ -109,12 +102,16 @@ def run_limit_budget(p) -> tuple[float | None, dict | None]:
     seconds None where the limit leaves the budget whole; ``(None, None)`` where no limit
     applies (none set, or a run not started by :meth:`~overrep.app.pipeline.Pipeline.run`).
     The final evaluation is predicted from the dense model's, scaled by the parameters the
-    compact model keeps; rank 0 decides."""
+    compact model keeps, with no margin: on a 2-core AVX2 EPYC in fp32 it took 0.71 of the dense
+    one's at a parameter ratio of 0.71 with every model scored whole, and 0.60 (165 s of 277 s)
+    since the blocks the models share are run once (model.prefix); a margin of 1.15 had
+    predicted 226 s and left a minute of a 19-minute limit unused. :data:`RUN_LIMIT_RESERVE`
+    covers what the ratio misses. Rank 0 decides."""
     r = p.cfg.recovery
     if r.run_limit is None or p.run_started is None:
         return None, None
     dense = p.eval_cost.get("dense", 0.0) if p.world.is_main else None
-    final = None if dense is None else dense * p.metrics["pruned_params"] / p.metrics["dense_params"] * FINAL_EVAL_MARGIN
+    final = None if dense is None else dense * p.metrics["pruned_params"] / p.metrics["dense_params"]
     got = cut_to_run_limit(parse_duration(r.time_budget), parse_duration(r.run_limit, "recovery.run_limit"),
                            p.recovery_started - p.run_started, final) if p.world.is_main else None
     seconds, record = p.world.broadcast(got)
