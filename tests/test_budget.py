@@ -475,3 +475,35 @@ def test_a_next_token_phase_gets_rows_of_its_own():
     assert layerwise.rows(200) == 267  # 200 steps x 8 rows / 6 passes
     mixed = StepCosts(1.0, 0.0, 0.0, rows_per_step=8, max_rows=10_000, passes=6, fresh_share=0.5)
     assert mixed.rows(200) == 800  # the last 100 steps x 8 rows, each once
+
+
+def test_a_costlier_later_phase_shortens_the_run_to_its_deadline(assets, tmp_path, monkeypatch):
+    """``normed>ce``: the probe prices every step alike and the first re-fits time the cheap
+    layer-wise steps, but each next-token step costs 0.3 s more. After three timed steps of
+    that phase the step count shrinks to what the deadline leaves at their cost, so the
+    schedules end inside the budget; the switch stays where the phase began."""
+    no_deadline_stop(monkeypatch)
+    from overrep.recovery.trainer import Trainer
+
+    real_step = Trainer._step
+
+    def step(self):
+        if self.objective.phase() == "ce":
+            time.sleep(0.3)
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "_step", step)
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.05, 0.0, 0.0, anneal=0.05))
+    out = tmp_path / "late"
+    m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                          recovery__time_budget="10s", recovery__warm_start="none", recovery__loss="normed>ce",
+                          recovery__loss_switch=0.5), progress=False).run()
+    at = m["time_budget"]["refit"]["at"]
+    late = [a for a in at if a.get("phase") == "ce"]
+    assert len(late) == 1 and late[0]["seconds_per_step"] >= 0.3
+    assert late[0]["steps"] < at[at.index(late[0]) - 1]["steps"] and m["train_steps"] == late[0]["steps"]
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    phases = [r["phase"] for r in log]
+    first_ce = phases.index("ce")
+    assert set(phases[first_ce:]) == {"ce"} and late[0]["step"] == first_ce + 4  # its first step is not timed
+    assert len(log) == m["train_steps"] and log[-1]["alpha"] == 0.0 and log[-1]["lr"] < log[first_ce]["lr"]

@@ -206,3 +206,11 @@ def test_the_second_phase_starts_a_fresh_pass_over_the_rows(tmp_path):
     assert t.batch_indices(3) == epoch_batches(24, 4, seed=0, epoch=0)[3]
     second = [i for s in range(14, 20) for i in t.batch_indices(s)]
     assert sorted(second) == list(range(24))
+    # a re-fit inside the second phase shortens the run but never moves the switch (the fresh
+    # pass it started would change order mid-phase); a checkpoint keeps where it is
+    obj.after_optimizer_step(15)
+    t.set_total(17)
+    assert obj.phase_starts() == [14] and obj.current() == "ce" and obj.extra_state()["switch_step"] == 14
+    again = Layerwise([LinearModule()], [[]], None, loss="normed>ce", switch=0.7, total_steps=17)
+    again.load_extra_state(obj.extra_state())
+    assert again.phase_starts() == [14]

@@ -232,3 +232,18 @@ def test_a_gguf_is_parsed_once_per_load(monkeypatch):
     assert parsed == [str(models.embedded_gguf_path())]
     assert gguf.GGUFReader is Counting  # put back after the load
     assert tokenizer.eos_token_id == 2 and model.config.num_hidden_layers == 30
+
+
+@pytest.mark.slow
+def test_last_word_accuracy_scores_only_the_target_positions(embedded, monkeypatch):
+    """The LM head run only where a LAMBADA target is predicted gives the hits of the whole
+    head (the embedded model gets about a third of the passages right)."""
+    from overrep.eval import generation
+
+    model, tokenizer, _, _ = embedded
+    passages = generation.lambada_passages(24)
+    assert generation.keeps_logits(model)
+    fast = generation.last_word_accuracy(model, tokenizer, passages)
+    monkeypatch.setattr(generation, "keeps_logits", lambda m: False)
+    whole = generation.last_word_accuracy(model, tokenizer, passages)
+    assert fast == whole and fast["value"] > 0.1

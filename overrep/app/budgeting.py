@@ -108,11 +108,12 @@ def run_limit_budget(p) -> tuple[float | None, dict | None]:
     predicted 226 s and left a minute of a 19-minute limit unused. :data:`RUN_LIMIT_RESERVE`
     covers what the ratio misses. Rank 0 decides."""
     r = p.cfg.recovery
-    if r.run_limit is None or p.run_started is None:
+    limit = r.resolved_run_limit
+    if limit is None or p.run_started is None:
         return None, None
     dense = p.eval_cost.get("dense", 0.0) if p.world.is_main else None
     final = None if dense is None else dense * p.metrics["pruned_params"] / p.metrics["dense_params"]
-    got = cut_to_run_limit(parse_duration(r.time_budget), parse_duration(r.run_limit, "recovery.run_limit"),
+    got = cut_to_run_limit(parse_duration(r.time_budget), parse_duration(limit, "recovery.run_limit"),
                            p.recovery_started - p.run_started, final) if p.world.is_main else None
     seconds, record = p.world.broadcast(got)
     return (seconds if "cut_to" in record else None), record

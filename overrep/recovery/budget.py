@@ -35,11 +35,15 @@ worth more than fresh rows is measured in docs/results.md ("Rows against steps")
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import time
 from dataclasses import dataclass, replace
 
 from ..errors import OverRepError
+
+log = logging.getLogger(__name__)
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
@@ -152,3 +156,59 @@ class Deadline:
         scale = seconds_per_step / (self.costs.anneal or self.costs.step)
         costs = replace(self.costs, step=self.costs.step * scale, anneal=seconds_per_step, row=0.0)
         return fit_steps(0.99 * (self.at - now), costs, self.eval_every, self.checkpoint_every)
+
+
+# ---- re-fits during training (called by the trainer) -------------------------------------------
+#: steps of a later phase timed before :func:`refit_late_phase` (after the phase's first, which pays one-off costs)
+PHASE_REFIT_STEPS = 3
+
+
+def _apply_refit(trainer, total: int, observed: float, phase: str | None = None) -> None:
+    """Record a re-fit in ``trainer.refit`` and, where it changes the step count, apply it:
+    as many validations as planned, spread over the new count, the last at the end."""
+    if trainer.refit is None:
+        costs = trainer.deadline.costs
+        trainer.refit = {"probe_seconds_per_step": costs.anneal or costs.step, "steps_before": trainer.total, "at": []}
+    at = trainer.refit["at"]
+    before = at[-1]["seconds_per_step"] if at else trainer.refit["probe_seconds_per_step"]
+    at.append({"step": trainer.step, "seconds_per_step": observed, "steps": total, **({"phase": phase} if phase else {})})
+    trainer.refit["steps_after"] = total
+    if total == trainer.total:
+        return
+    log.info("time budget: a %sstep takes %.2f s here (%.2f s %s): %d steps instead of %d",
+             f"{phase} " if phase else "", observed, before, "before" if len(at) > 1 else "in the probe", total,
+             trainer.total)
+    if trainer.eval_every:
+        trainer.eval_every = trainer.deadline.eval_every = spread(total, math.ceil(trainer.total / trainer.eval_every))
+        at[-1]["eval_every"] = trainer.eval_every
+    trainer.set_total(total)
+
+
+def refit_to_deadline(trainer, timed: list[float]) -> None:
+    """Re-fit ``trainer``'s step count to the time left, from the real steps ``timed`` since
+    the last re-fit (the run's first step, which pays one-off costs, left out); the phases
+    not yet reached are scaled by the same factor against the probe."""
+    observed = sum(timed) / len(timed)
+    total = trainer.world.broadcast(trainer.step + trainer.deadline.steps_left(observed, time.perf_counter()))
+    _apply_refit(trainer, total, observed)
+
+
+def refit_late_phase(trainer, phase: str, began: tuple[str, int] | None, step_seconds: list[float]):
+    """A later phase of an ``A>B`` loss timed on its own. Its steps can cost several of the
+    first phase's (``ce`` through the frozen tail: 7-10 s against 2 s on a 2-core AVX2 CPU),
+    and a probe of two of them, scaled by the first phase's re-fits, under-counted them by a
+    third there: the run was stopped at its deadline 12 steps short of its schedule, the
+    learning rate not yet annealed. So after :data:`PHASE_REFIT_STEPS` of its steps the step
+    count shrinks, where needed, to what the deadline leaves at their cost (a validation
+    kept for the last step), and the schedules end inside the budget. It never grows: the
+    switch then stays where it was. ``began``: ``(phase, index in step_seconds)`` of the
+    phase being timed, as this returns it."""
+    if began is None or began[0] != phase:
+        return phase, len(step_seconds) - 1
+    timed = step_seconds[began[1] + 1:]
+    if began[1] > 0 and len(timed) == PHASE_REFIT_STEPS and trainer.step < trainer.total:
+        observed = sum(timed) / len(timed)
+        reserve = trainer.deadline.costs.validation if trainer.eval_every else 0.0
+        fits = max(1, int((0.99 * (trainer.deadline.at - time.perf_counter()) - reserve) // observed))
+        _apply_refit(trainer, trainer.world.broadcast(min(trainer.total, trainer.step + fits)), observed, phase)
+    return began

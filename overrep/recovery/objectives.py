@@ -147,6 +147,8 @@ class Layerwise(Objective):
         self.step = 0
 
     def set_total_steps(self, total: int) -> None:
+        if len(self.phases) > 1 and 0 < getattr(self, "switch_step", 0) <= getattr(self, "step", 0):
+            return  # the later phase has begun: it stays where it began (budget.refit_late_phase shortens it)
         self.switch_step = int(round(self.switch * total))
 
     def phase_starts(self) -> list[int]:
@@ -181,10 +183,11 @@ class Layerwise(Objective):
         self.step = step + 1
 
     def extra_state(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, "switch_step": self.switch_step}
 
     def load_extra_state(self, state: dict) -> None:
         self.step = state.get("step", 0)
+        self.switch_step = state.get("switch_step", self.switch_step)
 
     @torch.no_grad()
     def validation_loss(self):

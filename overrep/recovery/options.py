@@ -18,6 +18,13 @@ from .budget import parse_duration
 from .sharding import check_shard
 
 
+#: ``recovery.run_limit: auto``: this limit where ``recovery.time_budget`` is its default, none
+#: elsewhere. 18 minutes and about 1.5 of installation: `make run` within 20 on a 2-core CPU;
+#: on the AVX2 EPYC, where the three models' evaluation alone takes 9 minutes, it cuts the
+#: 12-minute budget to about 8 (docs/configuration.md, "Time budgets")
+AUTO_RUN_LIMIT, DEFAULT_RUN_LIMIT, DEFAULT_TIME_BUDGET = "auto", "18m", "12m"
+
+
 @dataclass
 class TrainingOptions:
     method: str = "overrep"  # a name in overrep.recovery.methods.METHODS (`overrep methods` lists them)
@@ -29,8 +36,8 @@ class TrainingOptions:
     block1_init: str = "stitched"  # "stitched" (attention of the block before, MLP+norms of the last removed) | "retained" (what the auto warm start trains on a mask of one run with two blocks after it, whatever this says)
     steps: int | None = None  # optimiser steps; overrides epochs when set
     epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)
-    time_budget: str | None = "12m"  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
-    run_limit: str | None = None  # the whole `overrep run`'s wall-clock (loading, evaluation and export; not installation), e.g. "20m": the time budget is cut to what it leaves after the final evaluation, predicted from the dense model's; off by default: on a 2-core AVX2 CPU "20m" met its limit but cut the default's training to 82 steps, test 4.06x dense against 1.66x in 25 minutes uncut (docs/configuration.md, "Time budgets"); `overrep compare`'s cells never use it
+    time_budget: str | None = DEFAULT_TIME_BUDGET  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
+    run_limit: str | None = "auto"  # the whole `overrep run`'s wall-clock (loading, evaluation and export; not installation), e.g. "20m": the time budget is cut to what it leaves after the final evaluation, predicted from the dense model's | "auto": 18m with the default time_budget (so that `make run` with its installation fits 20 minutes on a 2-core CPU), none with a budget you set | null: never cut (docs/configuration.md, "Time budgets"); `overrep compare`'s cells never use it
     budget_passes: float = 6.0  # time budget, methods on cached features: passes over each cached row the step count is planned for (at most data.train_sequences rows: a long budget caches them all and passes more often); fewer rows seen more often buy steps where features are dear: 6 (was 1) measured better on validation at 2.5 minutes in bf16 and in fixed-step fp32 cells, level in budgeted fp32 runs (docs/results.md, "Rows against steps")
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
@@ -53,13 +60,20 @@ class TrainingOptions:
     precision: str = "auto"  # training forward of every method: "bf16" (autocast matmuls, fp32 master weights and AdamW state) | "fp32" | "auto" (bf16 where the device has bf16 instructions: AVX512-BF16/AMX CPUs, GPUs; else fp32); see docs/speed.md
     shard: str = "none"  # several ranks (torchrun), methods on cached features: "none" (every rank holds the recovery modules, gradients all-reduced) | "fsdp" (W, D and the recovery blocks sharded over the ranks by torch FSDP2; README "Scaling")
 
+    @property
+    def resolved_run_limit(self) -> str | None:
+        """``run_limit`` made concrete (``auto``: :data:`DEFAULT_RUN_LIMIT` with the default budget)."""
+        if self.run_limit != AUTO_RUN_LIMIT:
+            return self.run_limit
+        return DEFAULT_RUN_LIMIT if self.time_budget == DEFAULT_TIME_BUDGET else None
+
     def check_training(self) -> None:
         """The step count, schedule and optimiser settings."""
         if self.steps is not None and self.steps < 1:
             raise OverRepError(f"recovery.steps must be >= 1, got {self.steps}")
         if self.time_budget is not None:
             parse_duration(self.time_budget)
-        if self.run_limit is not None:
+        if self.run_limit not in (None, AUTO_RUN_LIMIT):
             parse_duration(self.run_limit, "recovery.run_limit")
         if not (self.budget_passes >= 1 and math.isfinite(self.budget_passes)):
             raise OverRepError(f"recovery.budget_passes must be a number >= 1, got {self.budget_passes}")

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import save_torch, write_text
 from . import sharding
-from .budget import Deadline, StepCosts, spread, stretches
+from .budget import Deadline, StepCosts, refit_late_phase, refit_to_deadline, stretches
 from .keep_best import KeepBest
 from .sampler import epoch_batches
 from ..distributed import SINGLE, World
@@ -137,25 +137,6 @@ class Trainer:
         for a in self.objective.activations:
             a.set_schedule(schedule)
         self.objective.set_total_steps(total)
-
-    def refit_to_deadline(self, timed: list[float]) -> None:
-        """Re-fit the step count to the time left, from the real steps ``timed`` since the
-        last re-fit (the run's first step, which pays one-off costs, left out)."""
-        observed = sum(timed) / len(timed)
-        total = self.world.broadcast(self.step + self.deadline.steps_left(observed, time.perf_counter()))
-        if self.refit is None:
-            self.refit = {"probe_seconds_per_step": self.deadline.costs.anneal or self.deadline.costs.step,
-                          "steps_before": self.total, "at": []}
-        before = self.refit["at"][-1]["seconds_per_step"] if self.refit["at"] else self.refit["probe_seconds_per_step"]
-        self.refit["at"].append({"step": self.step, "seconds_per_step": observed, "steps": total})
-        self.refit["steps_after"] = total
-        if total != self.total:
-            log.info("time budget: a step takes %.2f s here (%.2f s %s): %d steps instead of %d", observed, before,
-                     "before" if len(self.refit["at"]) > 1 else "in the probe", total, self.total)
-            if self.eval_every:  # as many validations as planned, spread over the new count, the last at the end
-                self.eval_every = self.deadline.eval_every = spread(total, math.ceil(self.total / self.eval_every))
-                self.refit["at"][-1]["eval_every"] = self.eval_every
-            self.set_total(total)
 
     # ---- data --------------------------------------------------------------------
     def batch_indices(self, step: int) -> list[int]:
@@ -322,6 +303,7 @@ class Trainer:
             self.score_the_start()
         step_seconds: list[float] = []
         timed_from = 1  # the steps a re-fit times: since the last one (the first step pays one-off costs)
+        phase_from = None  # (phase, where in step_seconds it began): budget.refit_late_phase
         try:
             while self.step < self.total:
                 t0, phase = time.perf_counter(), obj.phase()
@@ -330,9 +312,12 @@ class Trainer:
                 step_seconds.append(time.perf_counter() - t0)
                 self.seconds += step_seconds[-1]
                 if refit_at and self.step == refit_at[0] < self.total:  # a run that short has nothing to re-fit
-                    self.refit_to_deadline(step_seconds[timed_from:] or step_seconds)
+                    refit_to_deadline(self, step_seconds[timed_from:] or step_seconds)
                     timed_from, bar.total = len(step_seconds), self.total
                 refit_at = [s for s in refit_at if s > self.step]
+                if refit_at == [] and self.deadline and obj.retargetable and phase is not None:
+                    phase_from = refit_late_phase(self, phase, phase_from, step_seconds)
+                    bar.total = self.total
                 rec = {"step": self.step, "loss": total, "lr": self.opt.param_groups[0]["lr"],
                        "alpha": self.alpha, "grad_norm": float(gnorm), "seconds": round(step_seconds[-1], 4)}
                 if phase is not None:  # an A>B loss: which one this step trained on
