@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from overrep.app.budgeting import RUN_LIMIT_RESERVE, cut_to_run_limit
+from overrep.app.budgeting import RUN_LIMIT_RESERVE, cut_to_run_limit, per_token_macs, predict_final_eval
 from overrep.app.pipeline import Pipeline
 from overrep.errors import OverRepError
 
@@ -45,8 +45,8 @@ def test_a_run_under_a_limit_records_it_and_predicts_its_final_evaluation(assets
     limit = m["time_budget"]["run_limit"]
     assert m["time_budget"]["seconds"] == 3 and "cut_to" not in limit and limit["seconds"] == 3600
     assert 0 < limit["elapsed_before_recovery"] < 3600
-    assert limit["predicted_final_eval_seconds"] == pytest.approx(
-        first.eval_cost["dense"] * m["pruned_params"] / m["dense_params"], abs=0.01)
+    assert limit["predicted_final_eval_seconds"] == pytest.approx(predict_final_eval(first), abs=0.01)
+    assert 0 < first.eval_rows_cost["dense"] < first.eval_cost["dense"]
     # a second run reads the dense figures from the cache, with what computing them cost then
     again = Pipeline(tiny_cfg(assets, tmp_path / "b", **kw), progress=False)
     again.run()
@@ -78,3 +78,23 @@ def test_a_cut_budget_is_the_budget_the_run_trains_to_and_reports(assets, tmp_pa
     assert tb["used_seconds"] <= 2.0 * 1.5  # trained to the cut budget's deadline, not the hour asked for
     assert "cut from 3,600 s so that the whole run ends within `recovery.run_limit` (1,200 s)" in (
         out / "report.md").read_text()
+
+
+def test_the_final_evaluation_is_predicted_from_the_dense_one_by_macs():
+    """The perplexity rows scale by the compact model's blocks after the shared prefix and its
+    head, the rest (generation check, latency) by the whole compact model."""
+    from types import SimpleNamespace
+
+    from overrep.model.surgery import plan_pruning, prune
+    from tiny import tiny_model
+
+    dense = tiny_model("llama")
+    pruned = prune(tiny_model("llama"), plan_pruning(6, [3, 4], blocks=1))
+    p = SimpleNamespace(eval_cost={"dense": 100.0}, eval_rows_cost={"dense": 80.0}, dense=dense, pruned=pruned,
+                        cfg=SimpleNamespace(data=SimpleNamespace(seq_len=32)), shared_prefix=SimpleNamespace(start=2))
+    whole = per_token_macs(dense, 32)
+    tail, compact = per_token_macs(pruned, 32, 2) / whole, per_token_macs(pruned, 32) / whole
+    assert 0 < tail < compact < 1
+    assert predict_final_eval(p) == pytest.approx(80 * tail + 20 * compact)
+    p.eval_cost["dense"] = None  # cached before its cost was kept: unknown
+    assert predict_final_eval(p) is None

@@ -97,22 +97,44 @@ def cut_to_run_limit(budget: float, limit: float, elapsed: float, final_eval: fl
     return left, record
 
 
+def per_token_macs(model, seq_len: int, start: int = 0) -> int:
+    """MACs per token of ``model``'s blocks from ``start`` on and its LM head."""
+    head = model.get_output_embeddings()
+    return blocks_macs(decoder_layers(model)[start:], model.config, seq_len) + (
+        head.weight.numel() if head is not None else 0)
+
+
+def predict_final_eval(p) -> float | None:
+    """Seconds pipeline ``p``'s final evaluation (the recovered model, the compact
+    architecture of ``p.pruned``) should take, from what the dense model's took, scaled by
+    their MACs per token: the perplexity rows (``eval_rows_cost``) by those of the compact
+    model's blocks after the shared prefix and its head, which is all a model sharing the
+    first blocks runs on them (:mod:`overrep.model.prefix`), the rest (the generation check,
+    the latency) by the whole compact model's. On the 2-core AVX2 EPYC the dense figures took
+    296 s, 236 s of them the rows: predicted 153 s, taken 160 s, where scaling the whole by the
+    parameters kept (0.71) had predicted 210 s. :data:`RUN_LIMIT_RESERVE` covers the
+    difference. None where the dense cost is unknown."""
+    dense = p.eval_cost.get("dense", 0.0)  # (not scored at all: nothing to predict from, 0)
+    if dense is None:  # cached before its cost was recorded
+        return None
+    seq_len, start = p.cfg.data.seq_len, p.shared_prefix.start if p.shared_prefix is not None else 0
+    whole = per_token_macs(p.dense, seq_len)
+    compact = per_token_macs(p.pruned, seq_len) / whole
+    rows = min(p.eval_rows_cost.get("dense") or 0.0, dense)
+    tail = per_token_macs(p.pruned, seq_len, start) / whole if start else compact
+    return rows * tail + (dense - rows) * compact
+
+
 def run_limit_budget(p) -> tuple[float | None, dict | None]:
     """Pipeline ``p``'s time budget under ``recovery.run_limit`` as ``(seconds, record)``, the
     seconds None where the limit leaves the budget whole; ``(None, None)`` where no limit
     applies (none set, or a run not started by :meth:`~overrep.app.pipeline.Pipeline.run`).
-    The final evaluation is predicted from the dense model's, scaled by the parameters the
-    compact model keeps, with no margin: on a 2-core AVX2 EPYC in fp32 it took 0.71 of the dense
-    one's at a parameter ratio of 0.71 with every model scored whole, and 0.60 (165 s of 277 s)
-    since the blocks the models share are run once (model.prefix); a margin of 1.15 had
-    predicted 226 s and left a minute of a 19-minute limit unused. :data:`RUN_LIMIT_RESERVE`
-    covers what the ratio misses. Rank 0 decides."""
+    The final evaluation is :func:`predict_final_eval`'s. Rank 0 decides."""
     r = p.cfg.recovery
     limit = r.resolved_run_limit
     if limit is None or p.run_started is None:
         return None, None
-    dense = p.eval_cost.get("dense", 0.0) if p.world.is_main else None
-    final = None if dense is None else dense * p.metrics["pruned_params"] / p.metrics["dense_params"]
+    final = predict_final_eval(p) if p.world.is_main else None
     got = cut_to_run_limit(parse_duration(r.time_budget), parse_duration(limit, "recovery.run_limit"),
                            p.recovery_started - p.run_started, final) if p.world.is_main else None
     seconds, record = p.world.broadcast(got)

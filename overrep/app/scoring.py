@@ -37,6 +37,7 @@ def score_model(p, model, tag: str) -> None:
         p.metrics.update(found)
         p.dense_scores = scores if tag == "dense" else p.dense_scores
         cost = scores.get("seconds")  # None: cached before that was recorded
+        p.eval_rows_cost[tag] = scores.get("seconds_rows")
     if ev.latency and not onload.is_onloaded(model):  # generating would read every block per token
         t1 = time.perf_counter()
         lat = generation_latency(model, p.tokenizer, ev.sample_prompt, ev.latency_tokens)

@@ -85,6 +85,7 @@ def score(model, tokenizer, data: EvalData, *, desc: str = "", progress: bool = 
 
 
 def _score(model, tokenizer, data: EvalData, desc: str, progress: bool, prefix: SharedPrefix | None) -> dict:
+    t0 = time.perf_counter()
     strata, _ = row_strata(data.components, "test_rows", data.test.shape[0])
     out = {"test": score_rows(model, data.test, data.test_units, strata, desc=f"test {desc}",
                               progress=progress, prefix=prefix).to_state()}
@@ -95,6 +96,8 @@ def _score(model, tokenizer, data: EvalData, desc: str, progress: bool, prefix: 
     out["unseen"] = {name: score_rows(model, rows, units, desc=f"{name} {desc}", progress=progress,
                                       prefix=prefix).to_state()
                      for name, (rows, units) in data.unseen.items()}
+    # the rows a later model of the run scores from the shared prefix (recovery.run_limit's prediction)
+    out["seconds_rows"] = time.perf_counter() - t0
     if data.lambada:
         prompts = document_starts(data.test, data.test_units, data.prompts, data.prompt_tokens)
         out["generation"] = {"lambada_last_word": last_word_accuracy(model, tokenizer, lambada_passages(data.lambada)),
@@ -114,8 +117,9 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     and unseen corpus), ``{tag}_perplexity`` (``validation`` and ``test`` as ``{value, low,
     high, tokens, documents}``, ``domains``, ``unseen`` and, given the dense scores,
     ``test_vs_dense``: the paired ratio and difference) and ``{tag}_generation``. Scores carry
-    ``seconds``, what computing them cost (read back with a cached entry; absent from entries
-    older than that field).
+    ``seconds``, what computing them cost, and ``seconds_rows``, the part spent on the
+    perplexity rows, which a model sharing the first blocks scores from them (both read back
+    with a cached entry; absent from entries older than those fields).
     """
     def compute() -> dict:
         t0 = time.perf_counter()

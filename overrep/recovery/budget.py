@@ -193,22 +193,24 @@ def refit_to_deadline(trainer, timed: list[float]) -> None:
     _apply_refit(trainer, total, observed)
 
 
-def refit_late_phase(trainer, phase: str, began: tuple[str, int] | None, step_seconds: list[float]):
+def refit_late_phase(trainer, phase: str, began: tuple[str, int, bool] | None, step_seconds: list[float]):
     """A later phase of an ``A>B`` loss timed on its own. Its steps can cost several of the
-    first phase's (``ce`` through the frozen tail: 7-10 s against 2 s on a 2-core AVX2 CPU),
+    first phase's (``ce`` through the frozen tail: 7-11 s against 2 s on a 2-core AVX2 CPU),
     and a probe of two of them, scaled by the first phase's re-fits, under-counted them by a
     third there: the run was stopped at its deadline 12 steps short of its schedule, the
-    learning rate not yet annealed. So after :data:`PHASE_REFIT_STEPS` of its steps the step
-    count shrinks, where needed, to what the deadline leaves at their cost (a validation
-    kept for the last step), and the schedules end inside the budget. It never grows: the
-    switch then stays where it was. ``began``: ``(phase, index in step_seconds)`` of the
-    phase being timed, as this returns it."""
-    if began is None or began[0] != phase:
-        return phase, len(step_seconds) - 1
+    learning rate not yet annealed. So every :data:`PHASE_REFIT_STEPS` of its steps the step
+    count is re-fitted to what the deadline leaves at the cost of the last ones (a validation
+    kept for the last step), and the schedules end inside the budget (the phase's first steps
+    were seen to cost 10-11 s and its later ones 7 s, so one re-fit would leave time unused).
+    The switch stays at the step the phase began (``set_total_steps``). ``began``:
+    ``(phase, index in step_seconds, later)`` of the phase being timed, as this returns it."""
+    if began is None or began[0] != phase:  # a phase begins (or the first one is seen): is it a later one?
+        at = trainer.step - 1
+        return phase, len(step_seconds) - 1, any(0 < s <= at for s in trainer.objective.phase_starts())
     timed = step_seconds[began[1] + 1:]
-    if began[1] > 0 and len(timed) == PHASE_REFIT_STEPS and trainer.step < trainer.total:
-        observed = sum(timed) / len(timed)
+    if began[2] and timed and len(timed) % PHASE_REFIT_STEPS == 0 and trainer.step < trainer.total:
+        observed = sum(timed[-PHASE_REFIT_STEPS:]) / PHASE_REFIT_STEPS
         reserve = trainer.deadline.costs.validation if trainer.eval_every else 0.0
         fits = max(1, int((0.99 * (trainer.deadline.at - time.perf_counter()) - reserve) // observed))
-        _apply_refit(trainer, trainer.world.broadcast(min(trainer.total, trainer.step + fits)), observed, phase)
+        _apply_refit(trainer, trainer.world.broadcast(trainer.step + fits), observed, phase)
     return began

@@ -303,7 +303,7 @@ class Trainer:
             self.score_the_start()
         step_seconds: list[float] = []
         timed_from = 1  # the steps a re-fit times: since the last one (the first step pays one-off costs)
-        phase_from = None  # (phase, where in step_seconds it began): budget.refit_late_phase
+        phase_from = None  # (phase, where in step_seconds it began, a later phase): budget.refit_late_phase
         try:
             while self.step < self.total:
                 t0, phase = time.perf_counter(), obj.phase()
