@@ -68,7 +68,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="output folder")
     p.add_argument("--max-steps", type=int, help="recovery optimiser steps")
     p.add_argument("--time-budget", help="recover within this wall-clock (feature cache included), e.g. 20m, "
-                                         "90s, 1.5h: the step count is fixed after a few measured steps")
+                                         "90s, 1.5h: the step count is fixed after a few measured steps (default 12m, "
+                                         "cut where the whole run would pass 18 minutes; a budget set here is not cut "
+                                         "unless recovery.run_limit is set too)")
     p.add_argument("--seed", type=int, help="initialisation and batch-order seed (default 0)")
     p.add_argument("--device", help="auto (default: cuda if available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"),

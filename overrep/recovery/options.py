@@ -19,9 +19,9 @@ from .sharding import check_shard
 
 
 #: ``recovery.run_limit: auto``: this limit where ``recovery.time_budget`` is its default, none
-#: elsewhere. 18 minutes and about 1.5 of installation: `make run` within 20 on a 2-core CPU;
-#: on the AVX2 EPYC, where the three models' evaluation alone takes 9 minutes, it cuts the
-#: 12-minute budget to about 8 (docs/configuration.md, "Time budgets")
+#: elsewhere. 18 minutes and about 1.6 of installation: `make run` within 20 on a 2-core CPU
+#: (19 min 32 s from a fresh clone on the AVX2 EPYC, where the three models' evaluation alone
+#: takes 8-9 minutes and the 12-minute budget was cut to 528 s; docs/configuration.md, "Time budgets")
 AUTO_RUN_LIMIT, DEFAULT_RUN_LIMIT, DEFAULT_TIME_BUDGET = "auto", "18m", "12m"
 
 
