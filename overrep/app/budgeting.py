@@ -110,10 +110,10 @@ def predict_final_eval(p) -> float | None:
     their MACs per token: the perplexity rows (``eval_rows_cost``) by those of the compact
     model's blocks after the shared prefix and its head, which is all a model sharing the
     first blocks runs on them (:mod:`overrep.model.prefix`), the rest (the generation check,
-    the latency) by the whole compact model's. On the 2-core AVX2 EPYC the dense figures took
-    296 s, 236 s of them the rows: predicted 153 s, taken 160 s, where scaling the whole by the
-    parameters kept (0.71) had predicted 210 s. :data:`RUN_LIMIT_RESERVE` covers the
-    difference. None where the dense cost is unknown."""
+    the latency) by the whole compact model's. On the 2-core AVX2 EPYC (1311e80's `make run`)
+    the dense figures took 265 s and this predicted 141 s for 158 s taken; scaling the whole by
+    the parameters kept (0.71), as before, had predicted 210 s for 160 s (db90953's run).
+    :data:`RUN_LIMIT_RESERVE` covers the difference. None where the dense cost is unknown."""
     dense = p.eval_cost.get("dense", 0.0)  # (not scored at all: nothing to predict from, 0)
     if dense is None:  # cached before its cost was recorded
         return None
