@@ -7,7 +7,11 @@ rows (for reporting). One JSON line per variant on stdout.
 
 Variants: ``none``, ``ls``, ``cos``, ``prunecomp``, ``patch`` (LinearPatch, evaluated through a
 hook: not exportable), ``prunecomp+ls``; each takes ``:key=value`` options: ``init`` (stitched |
-retained), ``tokens``, ``ridge``, ``rows``, ``steps``, ``lr``, e.g. ``ls:init=retained:tokens=all:ridge=0``.
+retained), ``tokens``, ``ridge``, ``rows``, ``steps``, ``lr``, ``sample`` (the calibration rows: the
+first training rows, what the pipeline fits on, or with ``sample=K`` a draw of them from every
+training row seeded by K), e.g. ``ls:init=retained:tokens=all:ridge=0``. Each line also counts the
+calibration rows whose dense target carries an attention sink after the first token
+(``late_sink_rows``; rows cut mid-sentence, where the removed blocks move the sink to token 1 or 2).
 
 Run:  OMP_NUM_THREADS=1 .venv/bin/python scripts/closed_form_sweep.py none ls:tokens=all:ridge=0 --heldout
 """
@@ -38,8 +42,8 @@ def main() -> None:
     from overrep.app.config import RunConfig
     from overrep.app.pipeline import Pipeline
     from overrep.model.perplexity import perplexity
-    from overrep.model.surgery import prune
-    from overrep.recovery.closed_form import FitOptions, fit_and_fold
+    from overrep.model.surgery import contiguous_runs, prune
+    from overrep.recovery.closed_form import FitOptions, fit_and_fold, gap_batches, sink_mask
     from overrep.recovery.compensation import linear_patch, prunecomp
 
     cfg = RunConfig.load(None, ["recovery.threads=1", "recovery.precision=fp32",
@@ -59,17 +63,27 @@ def main() -> None:
         fit = FitOptions(rows=int(o.get("rows", 64)), tokens=o.get("tokens", FitOptions.tokens),
                          ridge=float(o.get("ridge", FitOptions.ridge)), cos_steps=int(o.get("steps", 300)),
                          cos_lr=float(o.get("lr", 1e-3)))
+        rows = train
+        if "sample" in o:
+            rows = train[torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(int(o["sample"])))]
+        rows = rows[:fit.rows]
         t0 = time.perf_counter()
         info: dict = {}
         if name.startswith("prunecomp"):
-            info["prunecomp"] = prunecomp(model, p.dense, plan, train[:fit.rows], tokens=o.get("pctokens", "all"))
+            info["prunecomp"] = prunecomp(model, p.dense, plan, rows, tokens=o.get("pctokens", "all"))
         if name.endswith("ls") or name.endswith("cos"):
-            info["fit"] = fit_and_fold(model, p.dense, plan, train, fit, kind="cosine" if name.endswith("cos")
+            info["fit"] = fit_and_fold(model, p.dense, plan, rows, fit, kind="cosine" if name.endswith("cos")
                                        else "lstsq")
         if name == "patch":
-            info["handles"] = len(linear_patch(model, p.dense, plan, train[:fit.rows], tokens=o.get("tokens", "all")))
+            info["handles"] = len(linear_patch(model, p.dense, plan, rows, tokens=o.get("tokens", "all")))
         row = {"variant": spec, "fit_seconds_rough": round(time.perf_counter() - t0, 1),
                "removed": plan.removed, **{k: v for k, v in info.items() if k != "handles"}}
+        if name != "none":
+            late = 0
+            with torch.no_grad():  # the dense targets X* at the end of the first removed run
+                for _, _, x in gap_batches(model, p.dense, plan, contiguous_runs(plan.removed)[0], rows, 8):
+                    late += int(sink_mask(x.pow(2).mean(-1).sqrt())[:, 1:].any(1).sum())
+            row["late_sink_rows"] = late
         if not args.no_val:
             row["val_ppl"] = perplexity(model, p.val_ids, progress=False)
             row["val_rows"] = int(p.val_ids.shape[0])

@@ -14,7 +14,7 @@ from overrep.errors import OverRepError
 from overrep.model.arch import decoder_layers
 from overrep.model.surgery import plan_pruning, prune
 from overrep.recovery.closed_form import (FitOptions, NormalEquations, _block_output, down_projection, fit_and_fold,
-                                          fold_blocker, fold_map, token_weights)
+                                          balance_sinks, fold_blocker, fold_map, token_weights)
 from overrep.recovery.compensation import fold_scale, hadamard, linear_patch, prunecomp, tune_patches
 from overrep.recovery.methods import build_recovery, get_method
 from overrep.recovery.methods.closed_form import fit_options
@@ -49,8 +49,24 @@ def test_token_weights_leave_out_sinks_and_normalise_rows():
     assert (w[:, 0] == 0).all() and torch.allclose(w[:, 1:], torch.ones(2, 5, dtype=torch.float64))
     assert (token_weights(x, "skip-first")[:, 0] == 0).all()
     assert (token_weights(x, "all") == 1).all()
-    with pytest.raises(OverRepError):
-        token_weights(x, "all+rms")
+    for bad in ("all+rms", "balanced+skip-first"):
+        with pytest.raises(OverRepError):
+            token_weights(x, bad)
+
+
+def test_balanced_weights_give_the_sinks_a_fixed_share_of_the_squared_residual():
+    x = torch.ones(2, 6, 4)
+    x[:, 0] *= 100.0  # the first token of each row: a sink
+    x[1, 3] *= 50.0  # a sink inside a row
+    w = token_weights(x, "balanced")  # the sinks left out (what a fit that only selects tokens keeps)
+    assert w[:, 0].eq(0).all() and w[1, 3] == 0 and w.sum() == 12 - 3
+    residual = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0))
+    residual[x > 10] *= 1e3
+    bw = balance_sinks(w, x, residual, balance=3.0)
+    sinks = bw != 1
+    size = residual.double().pow(2).sum(-1)
+    assert sinks.sum() == 3 and torch.equal(bw[~sinks], w[~sinks])
+    assert torch.isclose((bw * size)[sinks].sum(), 3.0 * size[~sinks].sum())
 
 
 def test_folding_the_map_into_down_proj_equals_applying_it():

@@ -15,9 +15,12 @@ the stock architecture. The published fit has ``w_t = 1`` for every token and
 ``lambda = 0``. On a model with *massive activations* (SmolLM2: the residual RMS of the
 first token is ~100x that of the others) the unweighted fit spends itself on those few
 positions and ends worse than no map at all (docs/closed-forms.md). ``tokens`` chooses
-the weights ``w_t`` (:func:`token_weights`): leave out the first token or every attention
-sink (RMS above ``SINK_FACTOR`` x the median), and/or divide each row by the target's
-RMS (``w_t = 1 / rms(x*_t)^2``). The ridge is relative: ``lambda = ridge * tr(M^T W M) / d``.
+the weights ``w_t`` (:func:`token_weights`): ``balanced`` (the default) counts every token and
+weights the attention sinks (the first token, and any token whose RMS is above ``SINK_FACTOR``
+x its row's median) so that together they weigh ``SINK_BALANCE`` times the other tokens
+(:func:`balance_sinks`); the others leave out the first token or every sink, and/or divide
+each row by the target's RMS (``w_t = 1 / rms(x*_t)^2``). The ridge is relative:
+``lambda = ridge * tr(M^T W M) / d``.
 
 The cosine variant (ReplaceMe's ``cosine`` mode) starts T at the identity and minimises
 ``mean_t 1 - cos(h_t + m_t T, x*_t)`` with Adam, on the calibration tokens held in memory
@@ -57,8 +60,15 @@ def sink_mask(rms: torch.Tensor) -> torch.Tensor:
     return rms > SINK_FACTOR * rms.median(dim=1, keepdim=True).values
 
 
-#: the token selections and weightings ``tokens`` may combine with "+" ("all" alone: every token, weight 1)
-TOKEN_PARTS = ("all", "skip-first", "sinks", "rms")
+#: the token selections and weightings ``tokens`` may combine with "+" ("all" alone: every token, weight 1;
+#: "balanced" alone: every token, the sinks reweighted by :func:`balance_sinks`)
+TOKEN_PARTS = ("all", "balanced", "skip-first", "sinks", "rms")
+#: ``tokens: balanced``: the attention sinks' weighted squared residual is this many times the other
+#: tokens' together, batch by batch; chosen on validation rows over four samples of calibration rows
+#: (validation perplexity 202-226 with 1 over three samples, 195-207 with 3 over four, 315 with 10;
+#: docs/closed-forms.md, "Which calibration rows")
+SINK_BALANCE = 3.0
+ALONE = ("all", "balanced")
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,7 @@ class FitOptions:
     """How the map is fitted (``recovery.closed_*`` in the configuration)."""
 
     rows: int = 64  # calibration rows (training rows, never held-out or validation rows)
-    tokens: str = "skip-first"  # which tokens count and how much: a "+"-joined subset of TOKEN_PARTS
+    tokens: str = "balanced"  # which tokens count and how much: "all", "balanced" or a "+"-joined subset of the rest of TOKEN_PARTS
     ridge: float = 1e-4  # relative ridge: lambda = ridge * mean diagonal of M^T W M
     batch: int = 8  # rows per forward pass
     cos_steps: int = 300  # cosine variant: Adam steps
@@ -79,23 +89,46 @@ class FitOptions:
 def check_tokens(spec: str) -> set[str]:
     parts = {p.strip() for p in str(spec).split("+") if p.strip()}
     bad = sorted(parts - set(TOKEN_PARTS))
-    if bad or not parts or ("all" in parts and len(parts) > 1):
-        raise OverRepError(f"recovery.closed_tokens '{spec}': use 'all' or a '+'-joined subset of "
-                           f"{', '.join(TOKEN_PARTS[1:])}")
+    if bad or not parts or (parts & set(ALONE) and len(parts) > 1):
+        raise OverRepError(f"recovery.closed_tokens '{spec}': use 'all', 'balanced' or a '+'-joined subset of "
+                           f"{', '.join(p for p in TOKEN_PARTS if p not in ALONE)}")
     return parts
 
 
 def token_weights(target: torch.Tensor, spec: str) -> torch.Tensor:
-    """Per-token weights ``[B, T]`` (float64) from the target hidden states ``[B, T, d]``."""
+    """Per-token weights ``[B, T]`` (float64) from the target hidden states ``[B, T, d]``.
+
+    ``balanced`` gives the sinks (the first token and :func:`sink_mask`'s) weight 0 here, so a
+    fit that only selects tokens (the cosine fit, Prune&Comp's means) leaves them out; the
+    least-squares fit then weights them in with :func:`balance_sinks`."""
     parts = check_tokens(spec)
     rms = target.double().pow(2).mean(-1).sqrt()
     w = torch.ones_like(rms)
-    if "skip-first" in parts:
+    if "skip-first" in parts or "balanced" in parts:
         w[:, 0] = 0
-    if "sinks" in parts:
+    if "sinks" in parts or "balanced" in parts:
         w[sink_mask(rms)] = 0
     if "rms" in parts:
         w = w / rms.clamp_min(1e-12).pow(2)
+    return w
+
+
+def balance_sinks(w: torch.Tensor, target: torch.Tensor, residual: torch.Tensor,
+                  balance: float = SINK_BALANCE) -> torch.Tensor:
+    """``w`` with the attention sinks (the first token and :func:`sink_mask`'s) weighted in so that
+    their weighted squared residual is ``balance`` times the other tokens' together.
+
+    Unweighted, a sink's residual (SmolLM2: norm ~23,000 against ~150; the sink grows inside
+    the removed blocks) outweighs every other token and the map is spent on it; left out, the
+    map never learns to grow the sink the later blocks read. Both measured worse than counting
+    the sinks as a fixed share (docs/closed-forms.md, "Which calibration rows")."""
+    sinks = sink_mask(target.double().pow(2).mean(-1).sqrt())
+    sinks[:, 0] = True
+    size = residual.double().pow(2).sum(-1)
+    if sinks.all() or size[sinks].sum() <= 0:
+        return w
+    w = w.clone()
+    w[sinks] = balance * (size * w)[~sinks].sum() / size[sinks].sum()
     return w
 
 
@@ -220,8 +253,12 @@ def _dense_gap(dense: nn.Module, last: int, end: int, ids: torch.Tensor, down: n
 def fit_lstsq(pruned, dense, plan, run, ids, opts: FitOptions) -> tuple[torch.Tensor, dict]:
     """T ``[d, d]`` (float64) for one run by weighted, ridged least squares."""
     eq = None
+    balanced = "balanced" in check_tokens(opts.tokens)
     for h, m, x in gap_batches(pruned, dense, plan, run, ids, opts.batch, opts.precision):
-        w = token_weights(x, opts.tokens).flatten()
+        w = token_weights(x, opts.tokens)
+        if balanced:
+            w = balance_sinks(w, x, x - h)
+        w = w.flatten()
         d = m.shape[-1]
         eq = eq or NormalEquations(d, d, m.device)
         eq.add(m.reshape(-1, d), (x - h).reshape(-1, d), w)
