@@ -7,7 +7,8 @@ rows (for reporting). One JSON line per variant on stdout.
 
 Variants: ``none``, ``ls``, ``cos``, ``prunecomp``, ``patch`` (LinearPatch, evaluated through a
 hook: not exportable), ``prunecomp+ls``; each takes ``:key=value`` options: ``init`` (stitched |
-retained), ``tokens``, ``ridge``, ``rows``, ``steps``, ``lr``, ``sample`` (the calibration rows: the
+retained), ``tokens``, ``ridge``, ``balance`` (``tokens=balanced``: the sinks' share), ``rows``, ``steps``,
+``lr``, ``sample`` (the calibration rows: the
 first training rows, what the pipeline fits on, or with ``sample=K`` a draw of them from every
 training row seeded by K), e.g. ``ls:init=retained:tokens=all:ridge=0``. Each line also counts the
 calibration rows whose dense target carries an attention sink after the first token
@@ -62,6 +63,7 @@ def main() -> None:
         model = prune(copy.deepcopy(p.dense), plan).eval()
         fit = FitOptions(rows=int(o.get("rows", 64)), tokens=o.get("tokens", FitOptions.tokens),
                          ridge=float(o.get("ridge", FitOptions.ridge)), cos_steps=int(o.get("steps", 300)),
+                         sink_balance=float(o.get("balance", FitOptions.sink_balance)),
                          cos_lr=float(o.get("lr", 1e-3)))
         rows = train
         if "sample" in o:

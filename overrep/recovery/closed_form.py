@@ -78,6 +78,7 @@ class FitOptions:
     rows: int = 64  # calibration rows (training rows, never held-out or validation rows)
     tokens: str = "balanced"  # which tokens count and how much: "all", "balanced" or a "+"-joined subset of the rest of TOKEN_PARTS
     ridge: float = 1e-4  # relative ridge: lambda = ridge * mean diagonal of M^T W M
+    sink_balance: float = SINK_BALANCE  # tokens "balanced": the sinks' share, times the other tokens'
     batch: int = 8  # rows per forward pass
     cos_steps: int = 300  # cosine variant: Adam steps
     cos_lr: float = 1e-3  # cosine variant: Adam learning rate
@@ -257,7 +258,7 @@ def fit_lstsq(pruned, dense, plan, run, ids, opts: FitOptions) -> tuple[torch.Te
     for h, m, x in gap_batches(pruned, dense, plan, run, ids, opts.batch, opts.precision):
         w = token_weights(x, opts.tokens)
         if balanced:
-            w = balance_sinks(w, x, x - h)
+            w = balance_sinks(w, x, x - h, opts.sink_balance)
         w = w.flatten()
         d = m.shape[-1]
         eq = eq or NormalEquations(d, d, m.device)
@@ -350,7 +351,8 @@ def fit_and_fold(pruned: nn.Module, dense: nn.Module, plan: PrunePlan, ids: torc
         out.append({"run": list(run), "block": run[0] - 1, "seconds": time.perf_counter() - t0,
                     "distance_from_identity": ((t - eye).norm() / eye.norm()).item(), **info})
     pruned.train(was)
-    return {"kind": kind, "rows": int(ids.shape[0]), "tokens_spec": opts.tokens, "ridge": opts.ridge,
+    balance = {"sink_balance": opts.sink_balance} if "balanced" in check_tokens(opts.tokens) else {}
+    return {"kind": kind, "rows": int(ids.shape[0]), "tokens_spec": opts.tokens, "ridge": opts.ridge, **balance,
             "precision": opts.precision, "runs": out}
 
 
