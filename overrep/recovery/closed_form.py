@@ -114,17 +114,15 @@ def token_weights(target: torch.Tensor, spec: str) -> torch.Tensor:
     return w
 
 
-def balance_sinks(w: torch.Tensor, target: torch.Tensor, residual: torch.Tensor,
-                  balance: float = SINK_BALANCE) -> torch.Tensor:
-    """``w`` with the attention sinks (the first token and :func:`sink_mask`'s) weighted in so that
-    their weighted squared residual is ``balance`` times the other tokens' together.
+def balance_sinks(w: torch.Tensor, residual: torch.Tensor, balance: float = SINK_BALANCE) -> torch.Tensor:
+    """``token_weights(..., "balanced")`` with its sinks (the tokens it gave weight 0) weighted in so
+    that their weighted squared residual is ``balance`` times the other tokens' together.
 
     Unweighted, a sink's residual (SmolLM2: norm ~23,000 against ~150; the sink grows inside
     the removed blocks) outweighs every other token and the map is spent on it; left out, the
     map never learns to grow the sink the later blocks read. Both measured worse than counting
     the sinks as a fixed share (docs/closed-forms.md, "Which calibration rows")."""
-    sinks = sink_mask(target.double().pow(2).mean(-1).sqrt())
-    sinks[:, 0] = True
+    sinks = w == 0
     size = residual.double().pow(2).sum(-1)
     if sinks.all() or size[sinks].sum() <= 0:
         return w
@@ -256,13 +254,13 @@ def fit_lstsq(pruned, dense, plan, run, ids, opts: FitOptions) -> tuple[torch.Te
     eq = None
     balanced = "balanced" in check_tokens(opts.tokens)
     for h, m, x in gap_batches(pruned, dense, plan, run, ids, opts.batch, opts.precision):
+        r = x - h
         w = token_weights(x, opts.tokens)
         if balanced:
-            w = balance_sinks(w, x, x - h, opts.sink_balance)
-        w = w.flatten()
+            w = balance_sinks(w, r, opts.sink_balance)
         d = m.shape[-1]
         eq = eq or NormalEquations(d, d, m.device)
-        eq.add(m.reshape(-1, d), (x - h).reshape(-1, d), w)
+        eq.add(m.reshape(-1, d), r.reshape(-1, d), w.flatten())
     t = eq.solve(opts.ridge)
     return t, {"tokens": int(eq.tokens)}
 
