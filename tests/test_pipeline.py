@@ -274,6 +274,13 @@ def test_metrics_carry_validation_and_test_intervals_and_three_fingerprints(asse
     pair = m["recovered_perplexity"]["test_vs_dense"]["ratio"]
     assert pair["low"] <= pair["value"] <= pair["high"]
     assert pair["value"] == pytest.approx(m["recovered_ppl"] / m["dense_ppl"])
+    rec = m["recovered_perplexity"]  # per domain and unseen corpus: paired with the dense model too
+    for where in ("domains", "unseen"):
+        for n, r in rec[f"{where}_vs_dense"].items():
+            assert r["low"] <= r["value"] <= r["high"], (where, n)
+            assert r["value"] == pytest.approx(rec[where][n]["value"] / m["dense_perplexity"][where][n]["value"])
+    assert set(rec["unseen_vs_dense"]) == {"lambada", "sciq"} and set(rec["domains_vs_dense"]) == set(rec["domains"])
+    assert m["pruned_perplexity"]["unseen_vs_dense"] == {}  # scored on no unseen corpus
     fps = [m["data"][f"{k}_fingerprint"] for k in ("train", "validation", "test")]
     assert len(set(fps)) == 3
     assert "[" in (out / "report.md").read_text()  # intervals in the report

@@ -116,7 +116,8 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     Metrics entries: ``{tag}_ppl`` (test perplexity), ``{tag}_ppl_domains`` (per test domain
     and unseen corpus), ``{tag}_perplexity`` (``validation`` and ``test`` as ``{value, low,
     high, tokens, documents}``, ``domains``, ``unseen`` and, given the dense scores,
-    ``test_vs_dense``: the paired ratio and difference) and ``{tag}_generation``. Scores carry
+    ``test_vs_dense``: the paired ratio and difference, ``domains_vs_dense`` and ``unseen_vs_dense``:
+    the paired ratio per test domain and unseen corpus) and ``{tag}_generation``. Scores carry
     ``seconds``, what computing them cost, and ``seconds_rows``, the part spent on the
     perplexity rows, which a model sharing the first blocks scores from them (both read back
     with a cached entry; absent from entries older than those fields).
@@ -141,7 +142,12 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
            "domains": {n: perplexity_interval(test.select(i)) for i, n in enumerate(names)},
            "unseen": {n: perplexity_interval(Scored.from_state(s)) for n, s in scores["unseen"].items()}}
     if dense is not None:
-        fig["test_vs_dense"] = paired_ratio(test, Scored.from_state(dense["test"]))
+        dense_test = Scored.from_state(dense["test"])
+        fig["test_vs_dense"] = paired_ratio(test, dense_test)
+        fig["domains_vs_dense"] = {n: paired_ratio(test.select(i), dense_test.select(i))["ratio"]
+                                   for i, n in enumerate(names)}
+        fig["unseen_vs_dense"] = {n: paired_ratio(Scored.from_state(s), Scored.from_state(dense["unseen"][n]))["ratio"]
+                                  for n, s in scores["unseen"].items() if n in dense.get("unseen", {})}
     require_finite(fig, tag)
     out = {f"{tag}_ppl": fig["test"]["value"], f"{tag}_perplexity": fig}
     if fig["domains"] or fig["unseen"]:
