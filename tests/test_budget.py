@@ -440,12 +440,13 @@ def test_the_probe_times_each_phase_of_a_two_loss_objective(tmp_path, monkeypatc
     import torch
 
     from overrep.recovery import trainer as trainer_mod
+    from overrep.recovery.losses import LossOptions
     from overrep.recovery.objectives import Layerwise
     from overrep.recovery.options import TrainingOptions
     from tiny import LinearModule
 
     clock, cost = [0.0], {"mse": 1.0, "normed": 4.0}
-    objective = Layerwise([LinearModule()], [[]], None, loss="mse>normed", switch=0.75, total_steps=100)
+    objective = Layerwise([LinearModule()], [[]], None, options=LossOptions(loss="mse>normed", loss_switch=0.75), total_steps=100)
     objective.activations = []  # no annealed activation: the loss's phases alone
     seen = []
 

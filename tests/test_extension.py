@@ -51,4 +51,4 @@ def test_a_loss_added_in_one_module_trains_a_layerwise_method(assets, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["loss"] == "l1"
     refused = overrep_with_extension("run", "--config", str(cfg), "--quiet", "--loss", "l2", "--overwrite")
-    assert refused.returncode == 2 and "available: mse, normed, fisher, logit, kl-topk, ce, l1" in refused.stderr
+    assert refused.returncode == 2 and "available: mse, normed, fisher, logit, kl-topk, ce, ce+kl, l1" in refused.stderr

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from overrep.recovery import losses
+from overrep.recovery import losses, teacher_stats
 from overrep.app.cli import main
 from overrep.app.config import RunConfig
 from overrep.errors import OverRepError
+from overrep.recovery.losses import LossOptions
 from overrep.recovery.objectives import Layerwise
 from overrep.app.pipeline import Pipeline
 
@@ -88,13 +89,13 @@ def test_fisher_weights_are_positive_finite_and_cached(assets, tmp_path, monkeyp
     cfg = tiny_cfg(assets, tmp_path / "f", recovery__loss="fisher", prune__remove="2-3")
     pipe = Pipeline(cfg, progress=False)
     pipe.load(create_output=False)
-    w = losses.cached_fisher(pipe.teacher, pipe.cfg.recovery.fisher_sequences)
+    w = teacher_stats.cached_fisher(pipe.teacher, pipe.cfg.recovery.fisher_sequences)
     assert len(w) == len(pipe.plan.groups) == 1
     assert w[0].shape == (pipe.dense.config.hidden_size,)
     assert torch.isfinite(w[0]).all() and (w[0] > 0).all()
     assert abs(w[0].mean().item() - 1) < 1e-5
-    monkeypatch.setattr(losses, "fisher_diagonal", lambda *a, **k: pytest.fail("recomputed"))
-    assert torch.equal(losses.cached_fisher(pipe.teacher, pipe.cfg.recovery.fisher_sequences)[0], w[0])
+    monkeypatch.setattr(teacher_stats, "fisher_diagonal", lambda *a, **k: pytest.fail("recomputed"))
+    assert torch.equal(teacher_stats.cached_fisher(pipe.teacher, pipe.cfg.recovery.fisher_sequences)[0], w[0])
 
 
 def test_mse_is_the_original_objective_bit_for_bit():
@@ -130,7 +131,8 @@ def test_loss_spelling():
 
 
 @pytest.mark.parametrize("loss,remove", [("normed", "2-3"), ("fisher", "3-4"), ("logit", "3-4"),
-                                         ("kl-topk", "2-3"), ("mse>kl-topk", "3-4"), ("normed>ce", "2-3")])
+                                         ("kl-topk", "2-3"), ("mse>kl-topk", "3-4"), ("normed>ce", "2-3"),
+                                         ("normed>ce+kl", "2-3")])
 def test_each_loss_runs_through_the_cli(assets, tmp_path, loss, remove):
     cfg = tmp_path / "c.yaml"
     out = tmp_path / "run"
@@ -177,6 +179,35 @@ def test_ce_is_the_pruned_models_next_token_loss(assets, tmp_path):
     assert got == pytest.approx(math.log(perplexity(pipe.pruned, pipe.val_ids, progress=False)), rel=1e-4)
 
 
+def test_ce_plus_kl_mixes_the_text_and_the_teacher_on_one_pass_of_the_tail(assets, tmp_path):
+    """``ce+kl`` is ``(1 - w)·ce + w·kl-topk`` on the same rows: at w = 0 it is ``ce``, at w = 1
+    ``kl-topk``, and between them their mix."""
+    got = {}
+    for loss, w in [("ce", 0.0), ("kl-topk", 0.0), ("ce+kl", 0.0), ("ce+kl", 1.0), ("ce+kl", 0.3)]:
+        cfg = tiny_cfg(assets, tmp_path / f"{loss}{w}", recovery__steps=2, recovery__loss=loss, recovery__loss_kd=w)
+        pipe = Pipeline(cfg, progress=False)
+        pipe.load(create_output=False)
+        pipe.prune()
+        pipe.build_recovery()
+        got[loss, w] = pipe.recovery.objective.validation_loss()
+    ce, kl = got["ce", 0.0], got["kl-topk", 0.0]
+    assert got["ce+kl", 0.0] == pytest.approx(ce, rel=1e-5) and got["ce+kl", 1.0] == pytest.approx(kl, rel=1e-5)
+    assert got["ce+kl", 0.3] == pytest.approx(0.7 * ce + 0.3 * kl, rel=1e-5) and kl < ce
+
+
+def test_every_loss_setting_reaches_the_loss(assets, tmp_path):
+    """The objective reads the run's own loss options (``recovery.loss_sinks`` set in a config
+    once stopped at the config and the loss weighed the sinks at the default)."""
+    for sinks in (0.1, 5.0):
+        cfg = tiny_cfg(assets, tmp_path / str(sinks), recovery__steps=2, recovery__loss="normed",
+                       recovery__loss_sinks=sinks)
+        pipe = Pipeline(cfg, progress=False)
+        pipe.load(create_output=False)
+        pipe.prune()
+        pipe.build_recovery()
+        assert pipe.recovery.objective.options.loss_sinks == sinks
+
+
 def test_topk_kl_with_the_rest_bucket_sees_mass_outside_the_support():
     g = torch.Generator().manual_seed(4)
     teacher, student = torch.randn(2, 5, 97, generator=g) * 3, torch.randn(2, 5, 97, generator=g) * 3
@@ -199,7 +230,7 @@ def test_the_second_phase_starts_a_fresh_pass_over_the_rows(tmp_path):
     from overrep.recovery.trainer import Trainer
     from tiny import LinearModule
 
-    obj = Layerwise([LinearModule()], [[]], None, loss="normed>ce", switch=0.7, total_steps=20)
+    obj = Layerwise([LinearModule()], [[]], None, options=LossOptions(loss="normed>ce", loss_switch=0.7), total_steps=20)
     obj.activations = []
     t = Trainer(obj, 24, TrainingOptions(batch_size=4, lr=1e-3), 20, tmp_path, progress=False)
     assert obj.phase_starts() == [14]
@@ -211,6 +242,6 @@ def test_the_second_phase_starts_a_fresh_pass_over_the_rows(tmp_path):
     obj.after_optimizer_step(15)
     t.set_total(17)
     assert obj.phase_starts() == [14] and obj.current() == "ce" and obj.extra_state()["switch_step"] == 14
-    again = Layerwise([LinearModule()], [[]], None, loss="normed>ce", switch=0.7, total_steps=17)
+    again = Layerwise([LinearModule()], [[]], None, options=LossOptions(loss="normed>ce", loss_switch=0.7), total_steps=17)
     again.load_extra_state(obj.extra_state())
     assert again.phase_starts() == [14]

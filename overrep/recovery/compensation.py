@@ -38,7 +38,8 @@ from ..model.arch import block_parts, decoder_layers, final_norm
 from ..model.placement import input_device
 from ..model.surgery import PrunePlan, contiguous_runs
 from .closed_form import _block_output, token_weights
-from .losses import teacher_topk, topk_kl
+from .losses import topk_kl
+from .teacher_stats import teacher_topk
 from ..core.schedule import lr_factor
 
 log = logging.getLogger(__name__)

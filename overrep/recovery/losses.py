@@ -34,6 +34,11 @@ entry at the end of this file.
   what the text does differently from the dense model (the Penn Treebank's lower case,
   ``<unk>`` and ``N``), so after a layer-wise phase (``normed>ce``) it adapts the module to the
   training domains in a few steps (docs/losses.md).
+* ``ce+kl`` -- ``(1 − w)·ce + w·kl-topk`` through one pass of the tail (``w`` =
+  ``recovery.loss_kd``): the next-token loss of the training text, held towards the dense
+  model's own predictions (knowledge distillation with hard labels, as in Hinton et al.'s
+  distillation loss). The text's tokens teach what the training domains do differently; the
+  teacher's distribution keeps what the dense model knows beyond them (docs/losses.md).
 * ``A>B`` (e.g. ``normed>kl-topk``) -- loss A, then loss B from ``recovery.loss_switch``
   (fraction of the steps) on.
 
@@ -42,7 +47,6 @@ entry at the end of this file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -50,13 +54,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import OverRepError
-from ..memo import digest, memoised
 from ..registry import Registry
 from ..core.precision import autocast
 from ..model.arch import decoder_layers, final_norm, input_norm
 from ..model.hooks import run_to_logits
-from ..model.placement import execution_device, input_device
+from ..model.placement import execution_device
 from .closed_form import sink_mask
+from .teacher_stats import cached_fisher, cached_topk, teacher_topk
 
 def parse_loss(spec: str) -> list[str]:
     """``"normed>kl-topk"`` -> ``["normed", "kl-topk"]``; one-line error on an unknown name."""
@@ -76,16 +80,17 @@ class LossOptions:
     loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term
     loss_sinks: float = 0.1  # normed: weight of the attention sinks' mean loss beside the other tokens' mean (a plain mean: about 1/255; without it a module can turn a massive activation away and break the model: docs/losses.md)
     loss_switch: float = 0.8  # A>B losses: fraction of the steps after which B replaces A (0.8 chosen on validation, docs/losses.md)
-    loss_topk: int = 64  # kl-topk: teacher log-probabilities cached per token
+    loss_kd: float = 0.5  # ce+kl: weight w of the KL to the dense model's top-K; the text's cross-entropy weighs 1 - w
+    loss_topk: int = 64  # kl-topk, ce+kl: teacher log-probabilities cached per token
     loss_topk_rest: bool = True  # kl-topk: add one bucket for all tokens outside the top-K (else renormalise on it)
     fisher_sequences: int = 32  # fisher: training rows the diagonal Fisher is estimated on
 
     def check_loss(self) -> None:
         parse_loss(self.loss)
         if (self.loss_lambda < 0 or self.loss_sinks < 0 or not 0 <= self.loss_switch <= 1 or self.loss_topk < 1
-                or self.fisher_sequences < 1):
-            raise OverRepError("recovery.loss_lambda and loss_sinks must be >= 0, loss_switch in [0, 1], loss_topk and "
-                               "fisher_sequences >= 1")
+                or self.fisher_sequences < 1 or not 0 <= self.loss_kd <= 1):
+            raise OverRepError("recovery.loss_lambda and loss_sinks must be >= 0, loss_switch and loss_kd in [0, 1], "
+                               "loss_topk and fisher_sequences >= 1")
 
 
 def loss_help() -> str:
@@ -126,96 +131,6 @@ def centred_gram(model: nn.Module) -> torch.Tensor:
     v = w.shape[0]
     mu = w.mean(0, keepdim=True)
     return ((w.T @ w - v * mu.T @ mu) / v).float()
-
-
-def _cache_file(root: Path, kind: str, key: dict) -> Path:
-    return root / "features" / f"{kind}-{digest(key)}.pt"
-
-
-def fisher_diagonal(dense: nn.Module, ids: torch.Tensor, groups, batch: int = 8) -> list[torch.Tensor]:
-    """Per group, ``E[(∂CE/∂h)²]`` per channel at the group's output point (the output of
-    ``target_layer``, or of the final norm), normalised to mean 1, from the dense model's
-    own next-token loss on ``ids``."""
-    layers = decoder_layers(dense)
-    sums = [torch.zeros(dense.config.hidden_size, dtype=torch.float64) for _ in groups]
-    count = 0
-    device = input_device(dense)
-    was = dense.training
-    dense.eval()
-    for gi, g in enumerate(groups):  # one pass per group: cutting the graph at one point hides the others
-        where = final_norm(dense) if g.final_norm else layers[g.target_layer]
-        for i in range(0, ids.shape[0], batch):
-            x = ids[i:i + batch].to(device)
-            grabbed: list[torch.Tensor] = []
-
-            def leaf(module, args, output):
-                h = output[0] if isinstance(output, tuple) else output
-                h = h.detach().requires_grad_(True)
-                grabbed.append(h)
-                return (h, *output[1:]) if isinstance(output, tuple) else h
-
-            handle = where.register_forward_hook(leaf)
-            try:
-                with torch.enable_grad():
-                    logits = dense(input_ids=x, use_cache=False).logits[:, :-1].float()
-                    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                         reduction="sum")
-                    (grad,) = torch.autograd.grad(ce, grabbed[0])
-            finally:
-                handle.remove()
-            sums[gi] += grad[:, :-1].double().pow(2).sum((0, 1)).cpu()
-            if gi == 0:
-                count += x.shape[0] * (x.shape[1] - 1)
-    dense.train(was)
-    out = []
-    for s in sums:
-        f = s / count
-        out.append((f / f.mean().clamp_min(1e-30)).float())
-    return out
-
-
-def cached_fisher(teacher, rows: int) -> list[torch.Tensor]:
-    """``fisher_diagonal`` on the first ``rows`` training rows of a
-    :class:`~overrep.recovery.teacher.Teacher`, stored next to its feature cache and keyed
-    like it (model, plan, data, sequence length)."""
-    n = min(rows, teacher.train_ids.shape[0])
-    path = _cache_file(teacher.cache_root, "fisher",
-                       {**{k: str(v) for k, v in teacher.fingerprint.items()}, "rows": n})
-    weights, _ = memoised(path, lambda: fisher_diagonal(teacher.dense, teacher.train_ids[:n], teacher.plan.groups),
-                          "the Fisher cache", valid=lambda got: len(got) == len(teacher.plan.groups),
-                          world=teacher.world)  # several ranks: rank 0 computes it, the others read it back
-    return list(weights)
-
-
-@torch.no_grad()
-def teacher_topk(dense: nn.Module, ids: torch.Tensor, k: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dense model's top-``k`` next-token log-probabilities of every position: values
-    (fp32; their softmax is the renormalised top-k distribution, ``1 − Σ exp`` the mass
-    outside it) and vocabulary indices (int32), each ``[N, T, k]``."""
-    device = input_device(dense)
-    vals, idx = [], []
-    for i in range(0, ids.shape[0], batch):
-        logits = dense(input_ids=ids[i:i + batch].to(device), use_cache=False).logits.float()
-        v, j = F.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-        vals.append(v.cpu())
-        idx.append(j.to(torch.int32).cpu())
-    return torch.cat(vals), torch.cat(idx)
-
-
-def cached_topk(teacher, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``teacher_topk`` of every training row of a :class:`~overrep.recovery.teacher.Teacher`,
-    stored next to its feature cache."""
-    fp = teacher.fingerprint
-    path = _cache_file(teacher.cache_root, "topk", {"model": fp["model"], "data": str(fp["data"]),
-                                                    "seq_len": fp["seq_len"], "dtype": fp["model_dtype"], "k": k,
-                                                    "rows": teacher.train_ids.shape[0], "values": "log-probabilities"})
-
-    def topk() -> dict:
-        values, indices = teacher_topk(teacher.dense, teacher.train_ids, k)
-        return {"values": values, "indices": indices}
-
-    got, _ = memoised(path, topk, f"the top-{k} cache", world=teacher.world)
-    return got["values"], got["indices"]
 
 
 # ---- the rest of the model after a module (kl-topk) --------------------------------
@@ -410,6 +325,20 @@ def _ce_rows(setup: LossSetup) -> tuple[dict, dict]:
     return {"labels": train}, {"labels": setup.heldout_ids}
 
 
+def _ce_kl(pred, feats, aux, options):
+    logits = aux["tail"](pred).float()
+    labels = feats["labels"].to(pred.device)
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    kl = topk_kl(logits, feats["topk_values"].to(pred.device), feats["topk_indices"].to(pred.device),
+                 rest=options.loss_topk_rest)
+    return (1 - options.loss_kd) * ce + options.loss_kd * kl
+
+
+def _ce_kl_rows(setup: LossSetup) -> tuple[dict, dict]:
+    (ce_train, ce_val), (kl_train, kl_val) = _ce_rows(setup), _kl_topk_rows(setup)
+    return {**ce_train, **kl_train}, {**ce_val, **kl_val}
+
+
 def _tails(setup: LossSetup) -> list[dict]:
     return [{"tail": Tail(setup.model, m, setup.full_context)} for m in setup.modules]
 
@@ -434,6 +363,8 @@ for _loss in [
          _tails, _kl_topk_rows),
     Loss("ce", "next-token cross-entropy on the training text, through the remaining frozen blocks", _ce, _tails,
          _ce_rows, fresh=True),
+    Loss("ce+kl", "(1 - loss_kd) * ce + loss_kd * kl-topk: the text's next tokens held towards the dense model's "
+         "predictions, one pass of the frozen tail", _ce_kl, _tails, _ce_kl_rows, fresh=True),
 ]:
     LOSSES.register(_loss)
 

@@ -123,9 +123,10 @@ def unique_trainable(modules) -> list[nn.Parameter]:
 class Layerwise(Objective):
     """OverRep's objective: each recovery module reproduces the dense segment's output.
 
-    ``loss`` names the comparison (an entry of :data:`overrep.recovery.losses.LOSSES`; ``mse``
-    is the paper's), or two joined as ``"A>B"``: A until ``switch`` (fraction of
-    ``total_steps``), then B. ``aux[i]`` holds module i's constants (what the losses
+    ``options.loss`` names the comparison (an entry of :data:`overrep.recovery.losses.LOSSES`;
+    ``mse``, the paper's, when no options are given), or two joined as ``"A>B"``: A until
+    ``options.loss_switch`` (fraction of ``total_steps``), then B; the losses read their other
+    settings (``loss_lambda``, ``loss_sinks``, ...) from the same options. ``aux[i]`` holds module i's constants (what the losses
     prepared); a batch dict may carry per-row extras (a loss's ``rows``).
     ``ppl_model`` / ``ppl_ids``: the pruned model (modules in place) and held-out rows for
     :meth:`validation_ppl`; ``prefix``: the first blocks it shares with the dense model, which a
@@ -133,15 +134,14 @@ class Layerwise(Objective):
     """
 
     def __init__(self, modules, contexts: list[list[dict]], source: BatchSource | None,
-                 val_batch: list[dict] | None = None, loss: str = "mse", aux: list[dict] | None = None,
-                 lam: float = 0.1, switch: float = 0.5, total_steps: int = 1, ppl_model=None, ppl_ids=None,
-                 topk_rest: bool = False, prefix=None):
+                 val_batch: list[dict] | None = None, options: LossOptions | None = None,
+                 aux: list[dict] | None = None, total_steps: int = 1, ppl_model=None, ppl_ids=None, prefix=None):
         self.modules, self.contexts, self.source, self.val_batch = modules, contexts, source, val_batch
         self.activations = [m.activation for m in modules]
-        self.phases = parse_loss(loss)
-        self.options = LossOptions(loss=loss, loss_lambda=lam, loss_switch=switch, loss_topk_rest=topk_rest)
+        self.options = options or LossOptions(loss="mse")
+        self.phases = parse_loss(self.options.loss)
         self.aux = aux or [{} for _ in modules]
-        self.switch = switch
+        self.switch = self.options.loss_switch
         self.set_total_steps(total_steps)
         self.ppl_model, self.ppl_ids, self.prefix = ppl_model, ppl_ids, prefix
         self.step = 0

@@ -8,12 +8,14 @@ validation probe and the merge check.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from ...model.hooks import capture_layer_context, module_context
 from ...model.presets import get_preset
 from ...model.wrap import apply_preset, merge_recovery
-from ..losses import LOSSES, LossSetup, parse_loss
+from ..losses import LOSSES, LossOptions, LossSetup, parse_loss
 from ..objectives import Layerwise
 from ..teacher import MethodInputs
 from .base import Method, MethodRun, at_last_trained_step, check_fold
@@ -49,11 +51,11 @@ class LayerwiseRun(MethodRun):
                 train_rows, val_rows = loss.rows(setup)
                 source = _with_rows(source, train_rows)
                 self.val_probe = [{**f, **val_rows} for f in self.val_probe]
-        self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, loss=r.loss, aux=aux,
-                                   lam=r.loss_lambda, switch=r.loss_switch, total_steps=inputs.total_steps,
+        options = LossOptions(**{f.name: getattr(r, f.name) for f in fields(LossOptions)})  # every loss setting
+        self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, options=options, aux=aux,
+                                   total_steps=inputs.total_steps,
                                    ppl_model=model if inputs.val_ids is not None else None,
-                                   ppl_ids=inputs.val_ids, prefix=inputs.prefix,
-                                   topk_rest=r.loss_topk_rest)
+                                   ppl_ids=inputs.val_ids, prefix=inputs.prefix)
 
     @torch.no_grad()
     def finish(self) -> dict:
