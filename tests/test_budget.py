@@ -152,6 +152,29 @@ def test_a_short_budget_caches_only_the_rows_it_trains_on(assets, tmp_path, monk
     assert m["merge_max_rel_diff"] <= 1e-5
 
 
+def test_a_loss_with_per_row_extras_prices_them_per_row(assets, tmp_path, monkeypatch):
+    """``ce+kl`` (and ``kl-topk``) caches the dense model's top-K for every training row after
+    the features: a budget prices that per row, from what the probe's few rows cost, not as a
+    fixed cost of the probe's size."""
+    from overrep.recovery import teacher_stats
+
+    real = teacher_stats.teacher_topk
+
+    def slow(dense, ids, k, batch=8):  # a dear teacher pass: 0.05 s a row
+        time.sleep(0.05 * ids.shape[0])
+        return real(dense, ids, k, batch)
+
+    monkeypatch.setattr(teacher_stats, "teacher_topk", slow)
+    monkeypatch.setattr("overrep.recovery.losses.teacher_topk", slow)
+    no_deadline_stop(monkeypatch)
+    out = tmp_path / "extras"
+    cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                   recovery__time_budget="20s", recovery__warm_start="none", recovery__loss="normed>ce+kl")
+    tb = Pipeline(cfg, progress=False).run()["time_budget"]
+    assert tb["measured_extras_seconds_per_row"] >= 0.05
+    assert tb["measured_feature_seconds_per_row"] >= tb["measured_extras_seconds_per_row"]
+
+
 def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, monkeypatch):
     """Killed after its second step, the budgeted run resumes with the step count and the
     rows from its checkpoint (no new measurement) and ends where an unbroken run ends."""

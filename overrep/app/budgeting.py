@@ -172,17 +172,22 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         # what building it again costs: not the cache, nor a search it reads back, nor the probe's features
         rebuild = time.perf_counter() - t0 - (teacher.seconds - cached) - (
             run.search_seconds if run.searched_now else 0.0) - (PROBE_ROWS * teacher.row_seconds if sizes_cache else 0.0)
+        # a loss's per-row extras (the teacher's top-K) are built for every cached row: a row's
+        # cost, not a fixed one (the probe built them for its few rows only); a repeated run that
+        # reads them back has the time left over, which the trainer's re-fits give to steps
+        rebuild -= run.extras_train_seconds
+        extras_row = run.extras_row_seconds if sizes_cache else 0.0
         costs = make_trainer(run.objective).measure()
         del run, probe
         if sizes_cache:
-            costs = dataclasses.replace(costs, row=teacher.row_seconds, rows_per_step=per_step,
+            costs = dataclasses.replace(costs, row=teacher.row_seconds + extras_row, rows_per_step=per_step,
                                         max_rows=inputs.train_ids.shape[0], passes=r.budget_passes,
                                         fresh_share=fresh)
         left = budget - (time.perf_counter() - started) - max(0.0, rebuild)
         costs = world.broadcast(costs)  # rank 0's figures decide
         info.update({f"measured_{k}": v for k, v in (("seconds_per_step", costs.step),
                      ("validation_seconds", costs.validation), ("checkpoint_seconds", costs.checkpoint),
-                     ("feature_seconds_per_row", costs.row)) if v})
+                     ("feature_seconds_per_row", costs.row), ("extras_seconds_per_row", extras_row)) if v})
         validations = validation_plan(budget, r.validation_share, costs)
         warm = bool((prepared or {}).get("warm_start"))
         # recovery.keep_best after a warm start: the closed form is scored before the first step

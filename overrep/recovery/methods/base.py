@@ -85,6 +85,11 @@ class MethodRun:
     #: whether this build ran it (False: read from its cache, so a rebuild pays nothing again)
     search_seconds: float = 0.0
     searched_now: bool = False
+    #: a loss's per-row extras (kl-topk, ce+kl: the dense model's top-K of each row), built
+    #: after the features: the seconds they took a training row (a time budget adds them to
+    #: a row's cost) and the seconds this build spent on them for training rows
+    extras_row_seconds: float = 0.0
+    extras_train_seconds: float = 0.0
     #: what ``recovery.compensate`` / ``recovery.warm_start`` did to the pruned model first
     prepared: dict = {}
 

@@ -8,6 +8,7 @@ validation probe and the merge check.
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields
 
 import torch
@@ -48,7 +49,9 @@ class LayerwiseRun(MethodRun):
         source = teacher.features() if with_data else None
         for loss in losses if with_data else ():
             if loss.rows is not None:  # per-row extras the batches carry (kl-topk: the teacher's top-k)
+                t0 = time.perf_counter()
                 train_rows, val_rows = loss.rows(setup)
+                self._time_extras(time.perf_counter() - t0, train_rows, val_rows)
                 source = _with_rows(source, train_rows)
                 self.val_probe = [{**f, **val_rows} for f in self.val_probe]
         options = LossOptions(**{f.name: getattr(r, f.name) for f in fields(LossOptions)})  # every loss setting
@@ -56,6 +59,14 @@ class LayerwiseRun(MethodRun):
                                    total_steps=inputs.total_steps,
                                    ppl_model=model if inputs.val_ids is not None else None,
                                    ppl_ids=inputs.val_ids, prefix=inputs.prefix)
+
+    def _time_extras(self, seconds: float, train_rows: dict, val_rows: dict) -> None:
+        """Share ``seconds`` between the training and validation rows the extras were built for
+        (a row's cost is the same for both)."""
+        count = [len(next(iter(rows.values()))) if rows else 0 for rows in (train_rows, val_rows)]
+        per_row = seconds / max(1, sum(count))
+        self.extras_row_seconds += per_row
+        self.extras_train_seconds += per_row * count[0]
 
     @torch.no_grad()
     def finish(self) -> dict:
