@@ -45,6 +45,7 @@ PINNED = {
     # B's phase starts a fresh pass over the rows (Trainer.batch_indices), so B sees other rows
     "overrep --loss mse>normed": (292.3378164572917, 934.9210038053029),
     "overrep --loss normed>ce": (292.35642808457476, 934.9881086106215),
+    "overrep --loss normed>ce+kl": (292.3586049090924, 934.9952977379054),
     "overrep --set cache.mode=live": (292.3488188371474, 934.934629432716),
     "overrep --prune width --set prune.remove=null --set prune.ratio=0.2": (420.5741398781316, 1110.9913861090108),
     "lora --prune width --set prune.remove=null --set prune.ratio=0.2": (419.526808017465, 1110.9466100738255),
