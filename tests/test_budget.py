@@ -172,7 +172,6 @@ def test_a_loss_with_per_row_extras_prices_them_per_row(assets, tmp_path, monkey
                    recovery__time_budget="20s", recovery__warm_start="none", recovery__loss="normed>ce+kl")
     tb = Pipeline(cfg, progress=False).run()["time_budget"]
     assert tb["measured_extras_seconds_per_row"] >= 0.05
-    assert tb["measured_feature_seconds_per_row"] >= tb["measured_extras_seconds_per_row"]
 
 
 def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, monkeypatch):

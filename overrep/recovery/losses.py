@@ -311,10 +311,14 @@ def _kl_topk_rows(setup: LossSetup) -> tuple[dict, dict]:
     return {"topk_values": values, "topk_indices": indices}, {"topk_values": v, "topk_indices": i}
 
 
-def _ce(pred, feats, aux, options):
-    logits = aux["tail"](pred)
-    labels = feats["labels"].to(pred.device)
+def _text_ce(logits: torch.Tensor, feats: dict) -> torch.Tensor:
+    """Next-token cross-entropy of ``logits`` [B, T, V] on the rows' own tokens."""
+    labels = feats["labels"].to(logits.device)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+
+
+def _ce(pred, feats, aux, options):
+    return _text_ce(aux["tail"](pred), feats)
 
 
 def _ce_rows(setup: LossSetup) -> tuple[dict, dict]:
@@ -327,8 +331,7 @@ def _ce_rows(setup: LossSetup) -> tuple[dict, dict]:
 
 def _ce_kl(pred, feats, aux, options):
     logits = aux["tail"](pred).float()
-    labels = feats["labels"].to(pred.device)
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    ce = _text_ce(logits, feats)
     kl = topk_kl(logits, feats["topk_values"].to(pred.device), feats["topk_indices"].to(pred.device),
                  rest=options.loss_topk_rest)
     return (1 - options.loss_kd) * ce + options.loss_kd * kl

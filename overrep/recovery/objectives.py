@@ -126,8 +126,9 @@ class Layerwise(Objective):
     ``options.loss`` names the comparison (an entry of :data:`overrep.recovery.losses.LOSSES`;
     ``mse``, the paper's, when no options are given), or two joined as ``"A>B"``: A until
     ``options.loss_switch`` (fraction of ``total_steps``), then B; the losses read their other
-    settings (``loss_lambda``, ``loss_sinks``, ...) from the same options. ``aux[i]`` holds module i's constants (what the losses
-    prepared); a batch dict may carry per-row extras (a loss's ``rows``).
+    settings (``loss_lambda``, ``loss_sinks``, ...) from the same options (a run passes its whole
+    recovery config). ``aux[i]`` holds module i's constants (what the losses prepared); a batch
+    dict may carry per-row extras (a loss's ``rows``).
     ``ppl_model`` / ``ppl_ids``: the pruned model (modules in place) and held-out rows for
     :meth:`validation_ppl`; ``prefix``: the first blocks it shares with the dense model, which a
     validation then runs once (:mod:`overrep.model.prefix`).
@@ -141,7 +142,6 @@ class Layerwise(Objective):
         self.options = options or LossOptions(loss="mse")
         self.phases = parse_loss(self.options.loss)
         self.aux = aux or [{} for _ in modules]
-        self.switch = self.options.loss_switch
         self.set_total_steps(total_steps)
         self.ppl_model, self.ppl_ids, self.prefix = ppl_model, ppl_ids, prefix
         self.step = 0
@@ -149,7 +149,7 @@ class Layerwise(Objective):
     def set_total_steps(self, total: int) -> None:
         if len(self.phases) > 1 and 0 < getattr(self, "switch_step", 0) <= getattr(self, "step", 0):
             return  # the later phase has begun: it stays where it began (budget.refit_late_phase shortens it)
-        self.switch_step = int(round(self.switch * total))
+        self.switch_step = int(round(self.options.loss_switch * total))
 
     def phase_starts(self) -> list[int]:
         return [self.switch_step] if len(self.phases) > 1 else []

@@ -9,14 +9,13 @@ validation probe and the merge check.
 from __future__ import annotations
 
 import time
-from dataclasses import fields
 
 import torch
 
 from ...model.hooks import capture_layer_context, module_context
 from ...model.presets import get_preset
 from ...model.wrap import apply_preset, merge_recovery
-from ..losses import LOSSES, LossOptions, LossSetup, parse_loss
+from ..losses import LOSSES, LossSetup, parse_loss
 from ..objectives import Layerwise
 from ..teacher import MethodInputs
 from .base import Method, MethodRun, at_last_trained_step, check_fold
@@ -54,8 +53,7 @@ class LayerwiseRun(MethodRun):
                 self._time_extras(time.perf_counter() - t0, train_rows, val_rows)
                 source = _with_rows(source, train_rows)
                 self.val_probe = [{**f, **val_rows} for f in self.val_probe]
-        options = LossOptions(**{f.name: getattr(r, f.name) for f in fields(LossOptions)})  # every loss setting
-        self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, options=options, aux=aux,
+        self.objective = Layerwise(self.modules, self.contexts, source, self.val_probe, options=r, aux=aux,
                                    total_steps=inputs.total_steps,
                                    ppl_model=model if inputs.val_ids is not None else None,
                                    ppl_ids=inputs.val_ids, prefix=inputs.prefix)
