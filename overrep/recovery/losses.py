@@ -27,7 +27,7 @@ entry at the end of this file.
   (cached once), over K + 1 outcomes: the K tokens and one bucket for all the others
   (``recovery.loss_topk_rest``; off: renormalised on the K tokens, blind to the mass the
   student puts elsewhere, measured far worse). Equals the full KL when K = vocabulary.
-  The default: lowest held-out perplexity on every mask measured (docs/losses.md).
+  Lowest held-out perplexity on every mask of the early small-scale sweep (docs/losses.md).
 * ``ce`` -- the next-token cross-entropy on the training text itself, through the same
   frozen tail as ``kl-topk``: the objective of a method trained end to end (``overrep-lm``,
   LoRA), on the recovery module's parameters only. Unlike the layer-wise losses it can learn
