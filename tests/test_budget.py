@@ -522,7 +522,9 @@ def test_a_costlier_later_phase_shortens_the_run_to_its_deadline(assets, tmp_pat
     out = tmp_path / "late"
     m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
                           recovery__time_budget="10s", recovery__warm_start="none", recovery__loss="normed>ce",
-                          recovery__loss_switch=0.5), progress=False).run()
+                          recovery__loss_switch=0.5,
+                          data__train_sequences=400),  # rows for a phase longer than a pass of the default 24
+                 progress=False).run()
     refit = m["time_budget"]["refit"]
     at = refit["at"]
     late = [a for a in at if "phase" in a]

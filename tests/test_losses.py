@@ -245,3 +245,34 @@ def test_the_second_phase_starts_a_fresh_pass_over_the_rows(tmp_path):
     again = Layerwise([LinearModule()], [[]], None, options=LossOptions(loss="normed>ce", loss_switch=0.7), total_steps=17)
     again.load_extra_state(obj.extra_state())
     assert again.phase_starts() == [14]
+
+
+def test_a_next_token_phase_is_one_pass_over_the_rows_at_most(tmp_path):
+    """``ce`` learns the training text, so its phase never sees a row twice: where the switch's
+    share of the steps is more than one pass, the switch moves later (the first phase gets
+    those steps), and a re-fit after the switch cannot lengthen the phase past one pass. A
+    layer-wise later phase (``mse>normed``) keeps its share."""
+    from overrep.recovery.options import TrainingOptions
+    from overrep.recovery.trainer import Trainer
+    from tiny import LinearModule
+
+    def trainer(loss, rows):
+        obj = Layerwise([LinearModule()], [[]], None, options=LossOptions(loss=loss, loss_switch=0.8), total_steps=100)
+        obj.activations = []
+        return obj, Trainer(obj, rows, TrainingOptions(batch_size=4, lr=1e-3), 100, tmp_path, progress=False)
+
+    obj, t = trainer("normed>ce", 40)  # one pass: 10 steps, against the switch's 20
+    assert obj.phase_starts() == [90] and t.total == 100
+    second = [i for s in range(90, 100) for i in t.batch_indices(s)]
+    assert sorted(second) == list(range(40))
+    t.set_total(200)  # a re-fit before the switch moves it with the count
+    assert obj.phase_starts() == [190] and t.total == 200
+    obj.after_optimizer_step(192)
+    t.set_total(230)  # after it: no step beyond one pass
+    assert t.total == 200 and obj.phase_starts() == [190]
+    t.set_total(195)  # shortening still works
+    assert t.total == 195
+    obj, t = trainer("normed>ce", 400)  # rows enough: the share stands
+    assert obj.phase_starts() == [80] and t.total == 100
+    obj, t = trainer("mse>normed", 40)
+    assert obj.phase_starts() == [80] and obj.step_limit() is None

@@ -165,7 +165,9 @@ PHASE_REFIT_STEPS = 3
 
 def _apply_refit(trainer, total: int, observed: float, phase: str | None = None) -> None:
     """Record a re-fit in ``trainer.refit`` and, where it changes the step count, apply it:
-    as many validations as planned, spread over the new count, the last at the end."""
+    as many validations as planned, spread over the new count, the last at the end (a count
+    the objective allows, :meth:`Trainer.capped`)."""
+    total = trainer.capped(total)
     if trainer.refit is None:
         costs = trainer.deadline.costs
         trainer.refit = {"probe_seconds_per_step": costs.anneal or costs.step, "steps_before": trainer.total, "at": []}

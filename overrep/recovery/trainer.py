@@ -107,6 +107,7 @@ class Trainer:
             raise OverRepError(f"batch_size x grad_accum = {self.per_step} exceeds the {num_samples} training "
                                "sequences; lower the batch or add data")
         self.steps_per_epoch = num_samples // self.per_step
+        objective.pass_steps = self.steps_per_epoch
         # steps between validations (0: none); a time budget passes its own (recovery.validation_share)
         self.eval_every = cfg.eval_every if eval_every is None else eval_every
         self.opt = make_optimizer(objective, cfg)
@@ -129,9 +130,16 @@ class Trainer:
         self.resumed_from: int | None = None
         self.set_total(total_steps)
 
+    def capped(self, total: int) -> int:
+        """``total``, or fewer where the objective allows no more (:meth:`Objective.step_limit`)."""
+        self.objective.set_total_steps(total)
+        limit = self.objective.step_limit()
+        return total if limit is None else min(total, max(limit, self.step + 1))
+
     def set_total(self, total: int) -> None:
-        """Train for ``total`` steps: the α schedule, the learning rate and the objective's
-        own phases all follow."""
+        """Train for ``total`` steps (fewer where the objective allows no more): the α
+        schedule, the learning rate and the objective's own phases all follow."""
+        total = self.capped(total)
         self.total = total
         schedule = AlphaSchedule(total, self.cfg.alpha_warmup_ratio, self.cfg.alpha_linear_ratio)
         for a in self.objective.activations:
