@@ -262,14 +262,14 @@ def test_a_next_token_phase_is_one_pass_over_the_rows_at_most(tmp_path):
         return obj, Trainer(obj, rows, TrainingOptions(batch_size=4, lr=1e-3), 100, tmp_path, progress=False)
 
     obj, t = trainer("normed>ce", 40)  # one pass: 10 steps, against the switch's 20
-    assert obj.phase_starts() == [90] and t.total == 100
+    assert obj.phase_starts() == [90] and t.total == 100 and obj.step_limit() is None  # the switch bounds it
     second = [i for s in range(90, 100) for i in t.batch_indices(s)]
     assert sorted(second) == list(range(40))
     t.set_total(200)  # a re-fit before the switch moves it with the count
     assert obj.phase_starts() == [190] and t.total == 200
     obj.after_optimizer_step(192)
     t.set_total(230)  # after it: no step beyond one pass
-    assert t.total == 200 and obj.phase_starts() == [190]
+    assert t.total == 200 and obj.phase_starts() == [190] and obj.step_limit() == 200
     t.set_total(195)  # shortening still works
     assert t.total == 195
     obj, t = trainer("normed>ce", 400)  # rows enough: the share stands

@@ -152,9 +152,12 @@ class Layerwise(Objective):
         self.ppl_model, self.ppl_ids, self.prefix = ppl_model, ppl_ids, prefix
         self.step = 0
 
+    def _later_phase_began(self) -> bool:
+        return len(self.phases) > 1 and 0 < getattr(self, "switch_step", 0) <= getattr(self, "step", 0)
+
     def set_total_steps(self, total: int) -> None:
-        if len(self.phases) > 1 and 0 < getattr(self, "switch_step", 0) <= getattr(self, "step", 0):
-            return  # the later phase has begun: it stays where it began (budget.refit_late_phase shortens it)
+        if self._later_phase_began():
+            return  # it stays where it began (budget.refit_late_phase shortens it; step_limit bounds it)
         switch = int(round(self.options.loss_switch * total))
         if self._one_pass_phase():
             switch = max(switch, total - self.pass_steps)
@@ -169,7 +172,8 @@ class Layerwise(Objective):
         return len(self.phases) > 1 and LOSSES[self.phases[-1]].fresh and bool(self.pass_steps)
 
     def step_limit(self) -> int | None:
-        return self.switch_step + self.pass_steps if self._one_pass_phase() else None
+        # before the switch set_total_steps keeps the phase to one pass; after it, this does
+        return self.switch_step + self.pass_steps if self._one_pass_phase() and self._later_phase_began() else None
 
     def phase_starts(self) -> list[int]:
         return [self.switch_step] if len(self.phases) > 1 else []

@@ -132,7 +132,6 @@ class Trainer:
 
     def capped(self, total: int) -> int:
         """``total``, or fewer where the objective allows no more (:meth:`Objective.step_limit`)."""
-        self.objective.set_total_steps(total)
         limit = self.objective.step_limit()
         return total if limit is None else min(total, max(limit, self.step + 1))
 
