@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import time
 
 import pytest
 
 from overrep.app.pipeline import Pipeline
 from overrep.errors import OverRepError
-from overrep.recovery.budget import Deadline, StepCosts, fit_steps, parse_duration, spread, validation_plan
+from overrep.recovery.budget import Deadline, StepCosts, fit_steps, parse_duration, phase_costs, spread, validation_plan
 
 from tiny import run_killed_at, tiny_cfg
 
@@ -187,7 +188,7 @@ def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, mon
 
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(4.0, 0.0, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 4)  # the same plan, however fast this machine is
-    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 1)  # and the re-fit keeps it
+    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: 1)  # and the re-fit keeps it
     kw = dict(eval__perplexity=False, eval__latency=False, recovery__steps=None, recovery__time_budget="20s",
               recovery__checkpoint_every=1, recovery__budget_passes=1)  # one pass: 16 of the 24 rows
     ref = Pipeline(tiny_cfg(assets, tmp_path / "ref", **kw), progress=False).run()
@@ -230,7 +231,7 @@ def test_a_budgeted_run_validates_as_often_as_its_share_allows(assets, tmp_path,
 
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.1, 1.0, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 6)
-    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 3)  # re-fit at step 3: still 6
+    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: 3)  # re-fit at step 3: still 6
     # a warm start also scores its closed form before step 1 and always its last step
     # (recovery.keep_best's guard), whatever the share affords
     for warm, share, expected, every in (("none", 0.1, [3, 6], 3), ("none", 0.0, [], 0), ("replaceme", 0.0, [6], 6),
@@ -258,7 +259,7 @@ def test_a_refit_that_adds_steps_moves_the_last_validation_to_the_last_step(asse
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 6)
     for warm, share, expected in (("none", 0.1, [5, 9]), ("replaceme", 0.0, [9])):
         left = iter([6, 3])  # the re-fits at steps 3 and 6: nine steps in all
-        monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: next(left))
+        monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: next(left))
         out = tmp_path / warm
         m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
                               recovery__time_budget="20s", recovery__eval_every=1, recovery__validation_share=share,
@@ -277,6 +278,28 @@ def test_the_deadline_refits_steps_to_the_observed_step_time():
     assert deadline.steps_left(2.0, now=120.0) == 1  # past the deadline: one step ends the schedule
     assert deadline.refit_steps(1000) == (20, 40) and deadline.refit_steps(50) == (5, 10)
     assert deadline.refit_steps(4) == (3, 6)
+
+
+def test_a_later_phase_is_priced_on_its_own_and_held_to_one_pass():
+    """``normed>ce``: the ``ce`` steps cost several ``normed`` ones and see each of the rows once
+    at most, so the steps it cannot take go to the cheap first phase (an average of the two had
+    left a run's time unused once the one-pass limit shortened the costly phase)."""
+    costs = StepCosts(step=1.0, validation=0.0, checkpoint=0.0, later=4.0, later_share=0.2, one_pass=True,
+                      rows_per_step=8, max_rows=80)
+    assert costs.later_steps(100) == 10  # one pass over 80 rows, not the 20 steps of its share
+    assert costs.train_seconds(100) == 90 * 1.0 + 10 * 4.0
+    assert costs.train_seconds(100, done=40) == 50 * 1.0 + 10 * 4.0
+    assert fit_steps(130.0, costs, 0, 1000) == 100
+    free = replace(costs, one_pass=False)
+    assert free.later_steps(100) == 20 and fit_steps(130.0, free, 0, 1000) == 82  # 66 x 1 s + 16 x 4 s
+    deadline = Deadline(at=100.0, costs=costs, eval_every=0, checkpoint_every=1000)
+    # 40 steps done, 60 s left: the re-fit prices the rest with the rows the run cached
+    assert deadline.steps_left(1.0, now=40.0, done=40, rows=80) + 40 == fit_steps(0.99 * 60, costs, 0, 1000, 40) == 69
+    assert deadline.steps_left(1.0, now=40.0, done=40, rows=160) == 22  # 20 more rows: 10 costly steps more
+    timed = [(0, 0.7, 1.2), (70, 0.1, 0.8), (80, 0.2, 4.0)]  # (step, share, seconds) of each stretch
+    measured = phase_costs(timed, 80, (0.2, True), 5.0, 1.0)
+    assert measured.anneal == 1.2 and measured.later == 4.0 and abs(measured.step - (0.7 * 1.2 + 0.1 * 0.8) / 0.8) < 1e-9
+    assert phase_costs(timed[:2], None, None, 5.0, 1.0).later_share == 0.0
 
 
 def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path, monkeypatch):
@@ -375,7 +398,7 @@ def test_a_budgeted_run_stops_at_its_deadline_and_still_folds(assets, tmp_path, 
 
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.001, 0.0, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 100_000)  # far more steps than 4 s allow
-    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 100_000)
+    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: 100_000)
     m = Pipeline(tiny_cfg(assets, tmp_path / "run", eval__perplexity=False, eval__latency=False, recovery__steps=None,
                           recovery__time_budget="4s", recovery__checkpoint_every=1000), progress=False).run()
     tb = m["time_budget"]
@@ -401,7 +424,7 @@ def slow_steps(monkeypatch, seconds: float, validation: float) -> None:
 
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.001, validation, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 1000)
-    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now: 1000)
+    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: 1000)
     monkeypatch.setattr(Trainer, "_step", slow_step)
 
 
@@ -457,8 +480,9 @@ def test_the_probe_times_a_validation_on_a_sample_of_its_rows():
 
 def test_the_probe_times_each_phase_of_a_two_loss_objective(tmp_path, monkeypatch):
     """A step of a loss through the frozen tail (``ce``, ``kl-topk``) costs several of a
-    layer-wise one: ``A>B`` is timed in each phase, weighted by its share, and ``anneal`` (what
-    a re-fit scales by) is the first phase, where a run starts."""
+    layer-wise one: ``A>B`` is timed in each phase, each priced on its own (``step`` and
+    ``later``, for the last ``later_share`` of the steps), and ``anneal`` (what a re-fit scales
+    by) is the first phase, where a run starts."""
     import torch
 
     from overrep.recovery import trainer as trainer_mod
@@ -484,7 +508,9 @@ def test_the_probe_times_each_phase_of_a_two_loss_objective(tmp_path, monkeypatc
     assert t.stretches() == [(37, 0.75), (87, 0.25)]
     costs = t.measure()
     assert {phase for _, phase in seen} == {"mse", "normed"}
-    assert costs.step == pytest.approx(0.75 * 1.0 + 0.25 * 4.0) and costs.anneal == 1.0
+    assert costs.step == costs.anneal == 1.0 and costs.later == 4.0 and costs.later_share == 0.25
+    assert not costs.one_pass  # (a layer-wise later phase may see its rows again)
+    assert costs.train_seconds(100) == pytest.approx(75 * 1.0 + 25 * 4.0)
     assert objective.current() == "mse"  # back at the start
 
 

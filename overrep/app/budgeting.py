@@ -179,13 +179,15 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         extras_row = run.extras_row_seconds if sizes_cache else 0.0
         costs = make_trainer(run.objective).measure()
         del run, probe
+        # the rows bound a one-pass later phase (StepCosts.later_steps); a method on the disk cache also pays for them
+        costs = dataclasses.replace(costs, rows_per_step=per_step, max_rows=inputs.train_ids.shape[0])
         if sizes_cache:
-            costs = dataclasses.replace(costs, row=teacher.row_seconds + extras_row, rows_per_step=per_step,
-                                        max_rows=inputs.train_ids.shape[0], passes=r.budget_passes,
+            costs = dataclasses.replace(costs, row=teacher.row_seconds + extras_row, passes=r.budget_passes,
                                         fresh_share=fresh)
         left = budget - (time.perf_counter() - started) - max(0.0, rebuild)
         costs = world.broadcast(costs)  # rank 0's figures decide
         info.update({f"measured_{k}": v for k, v in (("seconds_per_step", costs.step),
+                     ("later_phase_seconds_per_step", costs.later if costs.later_share else None),
                      ("validation_seconds", costs.validation), ("checkpoint_seconds", costs.checkpoint),
                      ("feature_seconds_per_row", costs.row), ("extras_seconds_per_row", extras_row)) if v})
         validations = validation_plan(budget, r.validation_share, costs)
@@ -208,8 +210,9 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
                                f"{needed:.0f} s here; recovery.budget_min_steps sets the floor), or use a closed form such "
                                "as --method replaceme, which trains nothing")
         eval_every = info["eval_every"] = spread(total, validations)
-        log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps on "
-                 "%d rows", budget, costs.step, costs.row, left, total, costs.rows(total) if sizes_cache
+        later = f" ({costs.later_steps(total)} of them at {costs.later:.2f} s)" if costs.later_share else ""
+        log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps%s on "
+                 "%d rows", budget, costs.step, costs.row, left, total, later, costs.rows(total) if sizes_cache
                  else inputs.train_ids.shape[0])
     info["steps"] = total
     rows = None

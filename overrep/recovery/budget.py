@@ -64,12 +64,19 @@ def parse_duration(text: str | float | int, where: str = "recovery.time_budget")
 
 @dataclass
 class StepCosts:
-    """Measured seconds: one optimiser step (``step``: averaged over the schedule's phases;
-    ``anneal``: in the α > 0 phase, where a run starts), one validation, one checkpoint;
-    optionally the features of one new training row (``row``, for ``rows_per_step`` rows a
-    step, at most ``max_rows`` in all, each planned to be seen ``passes`` times, except by the
-    last ``fresh_share`` of the steps, whose loss learns the text itself and should see each row
-    once: :func:`overrep.recovery.losses.fresh_share`)."""
+    """Measured seconds: one optimiser step (``step``: averaged over the stretches of the
+    objective's first phase; ``anneal``: in the α > 0 stretch, where a run starts), one
+    validation, one checkpoint; optionally the features of one new training row (``row``, for
+    ``rows_per_step`` rows a step, at most ``max_rows`` in all, each planned to be seen
+    ``passes`` times, except by the last ``fresh_share`` of the steps, whose loss learns the
+    text itself and should see each row once: :func:`overrep.recovery.losses.fresh_share`).
+
+    An ``A>B`` loss's later phase is priced on its own: ``later`` seconds a step for the last
+    ``later_share`` of the steps, at most one pass over the ``max_rows`` rows where it is
+    ``one_pass`` (``Layerwise.set_total_steps`` moves the switch later instead, and the first
+    phase gets the steps). Averaging the two phases had over-counted a run whose later phase
+    the one-pass limit shortens: ``ce`` steps cost 2.1 s against 0.45 s for ``normed`` on the
+    family 26 EPYC, and the default run left 67 s of its 720 unused (docs/configuration.md)."""
 
     step: float
     validation: float
@@ -80,6 +87,23 @@ class StepCosts:
     max_rows: int = 0
     passes: float = 1.0
     fresh_share: float = 0.0
+    later: float = 0.0
+    later_share: float = 0.0
+    one_pass: bool = False
+
+    def later_steps(self, total: int) -> int:
+        """Steps of a ``total``-step run in the later phase (as ``Layerwise.set_total_steps`` places its switch)."""
+        if not self.later_share:
+            return 0
+        n = total - int(round((1 - self.later_share) * total))
+        if self.one_pass and self.rows_per_step:
+            n = min(n, max(self.max_rows // self.rows_per_step, 1))
+        return n
+
+    def train_seconds(self, total: int, done: int = 0) -> float:
+        """Seconds of a ``total``-step run's optimiser steps after the first ``done``."""
+        later = min(self.later_steps(total), total - done)
+        return (total - done - later) * self.step + later * self.later
 
     def rows(self, steps: int) -> int:
         """Training rows ``steps`` steps need features for (at least one step's worth)."""
@@ -87,11 +111,13 @@ class StepCosts:
                    math.ceil(self.fresh_share * steps * self.rows_per_step))
         return min(self.max_rows, max(need, self.rows_per_step))
 
-    def run_seconds(self, steps: int, eval_every: int, checkpoint_every: int) -> float:
-        """Seconds ``steps`` steps take with a validation every ``eval_every`` (0: none)."""
-        validations = math.ceil(steps / eval_every) if eval_every else 0
-        return (steps * self.step + validations * self.validation
-                + math.ceil(steps / checkpoint_every) * self.checkpoint + self.rows(steps) * self.row)
+    def run_seconds(self, steps: int, eval_every: int, checkpoint_every: int, done: int = 0) -> float:
+        """Seconds a ``steps``-step run takes after its first ``done`` steps, with a validation
+        every ``eval_every`` (0: none), the features of its rows included (``row``)."""
+        left = steps - done
+        validations = math.ceil(left / eval_every) if eval_every else 0
+        return (self.train_seconds(steps, done) + validations * self.validation
+                + math.ceil(left / checkpoint_every) * self.checkpoint + self.rows(steps) * self.row)
 
 
 def validation_plan(budget: float, share: float, costs: StepCosts) -> int:
@@ -114,20 +140,40 @@ def stretches(total: int, cuts) -> list[tuple[int, float]]:
     return [((a + b - 1) // 2, (b - a) / total) for a, b in zip(edges, edges[1:]) if b > a]
 
 
-def fit_steps(seconds_left: float, costs: StepCosts, eval_every: int, checkpoint_every: int) -> int:
-    """The largest step count whose training fits in ``seconds_left`` (at least 1)."""
-    if costs.run_seconds(1, eval_every, checkpoint_every) > seconds_left:
-        return 1
-    lo, hi = 1, 2
-    while costs.run_seconds(hi, eval_every, checkpoint_every) <= seconds_left:
-        lo, hi = hi, hi * 2
+def fit_steps(seconds_left: float, costs: StepCosts, eval_every: int, checkpoint_every: int, done: int = 0) -> int:
+    """The largest step count whose training after its first ``done`` steps fits in
+    ``seconds_left`` (at least ``done + 1``)."""
+    def fits(total: int) -> bool:
+        return costs.run_seconds(total, eval_every, checkpoint_every, done) <= seconds_left
+
+    lo = done + 1
+    if not fits(lo):
+        return lo
+    hi = done + 2
+    while fits(hi):
+        lo, hi = hi, done + 2 * (hi - done)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if costs.run_seconds(mid, eval_every, checkpoint_every) <= seconds_left:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def phase_costs(timings: list[tuple[int, float, float]], switch: int | None, later: tuple[float, bool] | None,
+                validation: float, checkpoint: float) -> StepCosts:
+    """:class:`StepCosts` from a step's seconds timed in each stretch of a run, ``(step, share,
+    seconds)`` in order: those from ``switch`` on (None: none) are the later phase's
+    (``later``: :meth:`Objective.later_phase <overrep.recovery.objectives.Objective.later_phase>`;
+    a later phase the measured run did not reach is priced as the first)."""
+    def mean(rows):
+        weight = sum(share for _, share, _ in rows)
+        return sum(share * seconds for _, share, seconds in rows) / weight if weight else 0.0
+
+    first = [t for t in timings if switch is None or t[0] < switch]
+    last = [t for t in timings if switch is not None and t[0] >= switch]
+    step = mean(first) if first else mean(last)
+    share, one_pass = later or (0.0, False)
+    return StepCosts(step, validation, checkpoint, anneal=timings[0][2], later=mean(last) if last else step,
+                     later_share=share, one_pass=one_pass)
 
 
 #: real steps a budgeted run takes before it re-fits its step count to the time it observes
@@ -150,12 +196,14 @@ class Deadline:
         first = max(3, min(REFIT_STEPS, total // 10))
         return first, 2 * first
 
-    def steps_left(self, seconds_per_step: float, now: float) -> int:
-        """Steps that fit between ``now`` and the deadline when a step in the α > 0 phase
-        takes ``seconds_per_step`` (the other phases scaled alike); at least 1."""
+    def steps_left(self, seconds_per_step: float, now: float, done: int = 0, rows: int | None = None) -> int:
+        """Steps that fit between ``now`` and the deadline after ``done`` steps when a step in
+        the α > 0 phase takes ``seconds_per_step`` (the other phases scaled alike), the later
+        phase held to one pass over ``rows`` (the rows cached: None, as planned); at least 1."""
         scale = seconds_per_step / (self.costs.anneal or self.costs.step)
-        costs = replace(self.costs, step=self.costs.step * scale, anneal=seconds_per_step, row=0.0)
-        return fit_steps(0.99 * (self.at - now), costs, self.eval_every, self.checkpoint_every)
+        costs = replace(self.costs, step=self.costs.step * scale, anneal=seconds_per_step, row=0.0,
+                        later=self.costs.later * scale, max_rows=self.costs.max_rows if rows is None else rows)
+        return fit_steps(0.99 * (self.at - now), costs, self.eval_every, self.checkpoint_every, done) - done
 
 
 # ---- re-fits during training (called by the trainer) -------------------------------------------
@@ -191,7 +239,8 @@ def refit_to_deadline(trainer, timed: list[float]) -> None:
     the last re-fit (the run's first step, which pays one-off costs, left out); the phases
     not yet reached are scaled by the same factor against the probe."""
     observed = sum(timed) / len(timed)
-    total = trainer.world.broadcast(trainer.step + trainer.deadline.steps_left(observed, time.perf_counter()))
+    left = trainer.deadline.steps_left(observed, time.perf_counter(), done=trainer.step, rows=trainer.num_samples)
+    total = trainer.world.broadcast(trainer.step + left)
     _apply_refit(trainer, total, observed)
 
 

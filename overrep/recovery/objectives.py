@@ -100,6 +100,11 @@ class Objective:
         """The most steps the run may last as things stand (None: no limit)."""
         return None
 
+    def later_phase(self) -> tuple[float, bool] | None:
+        """``(share of the steps, one pass over the rows at most)`` of the phase a loss
+        switches to, for a time budget's arithmetic (None: one phase)."""
+        return None
+
     def phase(self) -> str | None:
         """What the next step computes, where the objective has phases (None: one phase)."""
         return None
@@ -174,6 +179,9 @@ class Layerwise(Objective):
     def step_limit(self) -> int | None:
         # before the switch set_total_steps keeps the phase to one pass; after it, this does
         return self.switch_step + self.pass_steps if self._one_pass_phase() and self._later_phase_began() else None
+
+    def later_phase(self) -> tuple[float, bool] | None:
+        return (1 - self.options.loss_switch, self._one_pass_phase()) if len(self.phases) > 1 else None
 
     def phase_starts(self) -> list[int]:
         return [self.switch_step] if len(self.phases) > 1 else []
