@@ -5,7 +5,8 @@ A run's report pairs its recovered model with the dense one; two recovered model
 methods, two budgets, two seeds) are compared here. The exported models of the given run
 folders are scored on the same rows their runs were evaluated on (validation, test per
 domain, unseen corpora; the first run's configuration rebuilds them, and every run must share
-its data and evaluation sections), and each is set against the first run with a paired
+its model, mask and evaluation sections and its validation and test rows, by fingerprint: the
+training rows may differ), and each is set against the first run with a paired
 bootstrap over documents (:func:`overrep.eval.intervals.paired_ratio`): a ratio whose interval
 excludes 1 is a difference these rows can tell. The dense model's scores come from the cache
 the runs filled.
@@ -54,11 +55,18 @@ def main() -> None:
         if not (run / "metrics.json").is_file() or not (run / "model" / "config.json").is_file():
             raise SystemExit(f"error: {run} is not a finished run (no metrics.json or model/)")
     configs = [RunConfig.load(run / "config.yaml") for run in runs]
-    for run, cfg in zip(runs[1:], configs[1:]):
-        for section in ("model", "prune", "data", "eval"):
+    # the rows scored: the validation and test rows' fingerprints (a run's training rows, e.g.
+    # data.train_sequences, may differ: that is a setting to compare), the unseen corpora (eval)
+    rows = [{k: json.loads((run / "metrics.json").read_text()).get("data", {}).get(k)
+             for k in ("validation_fingerprint", "test_fingerprint")} for run in runs]
+    for run, cfg, mine in zip(runs[1:], configs[1:], rows[1:]):
+        for section in ("model", "prune", "eval"):
             if getattr(cfg, section) != getattr(configs[0], section):
                 raise SystemExit(f"error: {run} differs from {runs[0]} in its '{section}' section: "
                                  "its rows are not the same")
+        if mine != rows[0] or None in mine.values():
+            raise SystemExit(f"error: {run} was scored on other validation or test rows than {runs[0]} (the "
+                             "'data' section's fingerprints differ)")
     with tempfile.TemporaryDirectory() as scratch:
         cfg = RunConfig.load(runs[0] / "config.yaml", {"output": scratch})
         p = Pipeline(cfg, progress=False)

@@ -24,10 +24,10 @@ def test_two_runs_are_paired_on_the_rows_they_were_evaluated_on(assets, tmp_path
     (tmp_path / "second.jsonl").write_text("".join(lines[1::2]))
     source = f"{tmp_path / 'first.jsonl'}+{tmp_path / 'second.jsonl'}"
     runs = []
-    for method, steps in (("overrep", 3), ("plain", 3)):
+    for method, steps, rows in (("overrep", 3, 24), ("plain", 3, 20)):  # other training rows, the same scored ones
         cfg = tiny_cfg(assets, tmp_path / method, recovery__method=method, recovery__steps=steps,
                        eval__latency=False, eval__generation=False, data__source=source,
-                       data__heldout_sequences=8, data__validation_sequences=8)
+                       data__heldout_sequences=8, data__validation_sequences=8, data__train_sequences=rows)
         Pipeline(cfg, progress=False).run()
         runs.append(tmp_path / method)
     out = tmp_path / "paired.json"
@@ -62,7 +62,7 @@ def test_runs_on_other_rows_or_unfinished_are_refused(assets, tmp_path):
     Pipeline(tiny_cfg(assets, b, recovery__steps=2, eval__latency=False, eval__generation=False,
                       data__heldout_sequences=6), progress=False).run()
     done = paired(a, b)
-    assert done.returncode != 0 and "differs from" in done.stderr and "'data' section" in done.stderr
+    assert done.returncode != 0 and "other validation or test rows" in done.stderr and "'data' section" in done.stderr
     done = paired(a, tmp_path / "missing")
     assert done.returncode != 0 and "is not a finished run" in done.stderr
 
