@@ -66,7 +66,7 @@ def main() -> None:
                                  "its rows are not the same")
         if mine != rows[0] or None in mine.values():
             raise SystemExit(f"error: {run} was scored on other validation or test rows than {runs[0]} (the "
-                             "'data' section's fingerprints differ)")
+                             "'data' section's fingerprints differ, or a metrics.json predates them)")
     with tempfile.TemporaryDirectory() as scratch:
         cfg = RunConfig.load(runs[0] / "config.yaml", {"output": scratch})
         p = Pipeline(cfg, progress=False)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import time
+from dataclasses import replace
 
 import pytest
 
