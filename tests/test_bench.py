@@ -121,3 +121,22 @@ def test_the_gpu_check_knows_each_board_by_its_name():
     assert gpu_check.peak_flops("NVIDIA H100 80GB HBM3") == gpu_check.peak_flops("NVIDIA H200") == 989e12
     assert gpu_check.peak_flops("NVIDIA H100 PCIe") == 756e12 and gpu_check.peak_flops("NVIDIA H100 NVL") == 835e12
     assert gpu_check.peak_flops("NVIDIA L40S") == 362e12 and gpu_check.peak_flops("Some Future GPU") is None
+
+
+def test_next_token_loss_bench_times_both_ways_and_they_agree(tmp_path):
+    """benchmarks/bench_next_token_loss.py times the tail's and the whole model's next-token loss
+    with the logits materialised and fused, on the same rows, and the two agree."""
+    model = make_tiny_model_dir(tmp_path / "tiny-llama", _docs())
+    script = SCRIPT.parent / "bench_next_token_loss.py"
+    done = subprocess.run([sys.executable, str(script), "--model", str(model), "--remove", "2-3", "--batch", "2",
+                           "--repeats", "2", "--threads", "1", "--precision", "fp32"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    assert set(out["cases"]) == {"tail", "whole_model"} and out["precision"] == "fp32"
+    for case in out["cases"].values():
+        assert all(case[k]["steps"] == 2 and 0 < case[k]["min"] <= case[k]["median"] <= case[k]["max"]
+                   for k in ("plain", "fused"))
+        assert case["plain_over_fused"] > 0
+        assert case["relative_difference"]["loss"] < 1e-5 and case["relative_difference"]["gradient"] < 1e-4
+    assert out["cases"]["whole_model"]["fused_used"]

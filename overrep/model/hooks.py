@@ -116,13 +116,18 @@ def module_context(full_context: list[dict], module: RecoveryModule) -> list[dic
     return [full_context[c] for c in module.compact_indices]
 
 
-def run_to_logits(h: torch.Tensor, blocks: list[tuple[nn.Module, dict]], norm: nn.Module | None, head: nn.Module,
-                  softcap: float | None = None) -> torch.Tensor:
-    """The logits of hidden states ``h`` run through ``blocks`` (each with the context
-    :func:`capture_layer_context` captured for it), ``norm`` (None: already applied) and
-    ``head``, with the model's final soft-capping where it has one (Gemma)."""
+def run_to_hidden(h: torch.Tensor, blocks: list[tuple[nn.Module, dict]], norm: nn.Module | None) -> torch.Tensor:
+    """Hidden states ``h`` run through ``blocks`` (each with the context
+    :func:`capture_layer_context` captured for it) and ``norm`` (None: already applied)."""
     for block, kwargs in blocks:
         out = block(h, **kwargs)
         h = out[0] if isinstance(out, tuple) else out
-    logits = head(norm(h) if norm is not None else h).float()
+    return norm(h) if norm is not None else h
+
+
+def run_to_logits(h: torch.Tensor, blocks: list[tuple[nn.Module, dict]], norm: nn.Module | None, head: nn.Module,
+                  softcap: float | None = None) -> torch.Tensor:
+    """The logits of :func:`run_to_hidden` through ``head``, with the model's final
+    soft-capping where it has one (Gemma)."""
+    logits = head(run_to_hidden(h, blocks, norm)).float()
     return torch.tanh(logits / softcap) * softcap if softcap else logits

@@ -27,6 +27,7 @@ from torch import nn
 from ..core.experts import is_fused_experts
 from ..core.precision import autocast
 from ..core.projection import OvercompleteLinear
+from ..model.lm_loss import CausalLMLoss
 from .losses import LOSSES, LossOptions, parse_loss
 
 # indices -> per module {"inputs": [B,T,H], "targets": [B,T,H]}
@@ -335,8 +336,13 @@ class LanguageModeling(_WholeModel):
     """Mean next-token cross-entropy (plus whatever regulariser the model adds to it,
     e.g. AdaLoRA's orthogonality penalty, which PEFT adds when labels are passed)."""
 
+    #: the loss through the frozen head without the batch's logits (:class:`~overrep.model.lm_loss.CausalLMLoss`)
+    fused_loss = True
+
     def rows_loss(self, ids):
-        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+        if getattr(self, "_lm_loss", None) is None:
+            self._lm_loss = CausalLMLoss(self.model, fused=self.fused_loss)
+        return self._lm_loss(ids)
 
 
 class LogitDistillation(_WholeModel):

@@ -88,6 +88,7 @@ class AdaLoraLanguageModeling(LanguageModeling):
     """
 
     retargetable = False
+    fused_loss = False  # PEFT adds the orthogonality penalty to the loss the model computes
 
     def after_optimizer_step(self, step: int) -> None:
         self.model.base_model.update_and_allocate(step)

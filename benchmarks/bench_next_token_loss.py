@@ -1,0 +1,138 @@
+"""Seconds of a next-token loss step with the logits materialised and without them, in one run.
+
+Two places train on the next-token loss through a frozen LM head: the ``ce`` phase of the
+default ``normed>ce`` (the recovery module's output run through the frozen tail of the pruned
+model: :meth:`overrep.recovery.losses.Tail.next_token_loss`) and the whole-model methods
+(LoRA, full fine-tuning, ``overrep-lm``: :class:`overrep.model.lm_loss.CausalLMLoss`). Each is
+timed, forward and backward, on the same rows of the default training text, once the plain way
+(the batch's logits in fp32, then ``cross_entropy``: what the model's own ``labels=`` loss does)
+and once fused (:func:`overrep.core.linear_ce.head_cross_entropy`), the two alternating
+``--repeats`` times so that a drift of the machine hits both; it prints the median, the fastest
+and the slowest step of each, the ratio of the medians, and how far the two losses and
+gradients are apart (and, in bf16, how far each gradient is from the plain fp32 one).
+
+Run:   .venv/bin/python benchmarks/bench_next_token_loss.py                 (embedded SmolLM2-135M)
+       .venv/bin/python benchmarks/bench_next_token_loss.py --remove 9-19 --batch 8 --repeats 12
+The JSON result goes to stdout, progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def _summary(seconds: list[float]) -> dict:
+    return {"median": statistics.median(seconds), "min": min(seconds), "max": max(seconds), "steps": len(seconds)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="embedded", help="'embedded' or a local Hugging Face folder")
+    ap.add_argument("--remove", default="9-19", help="blocks removed (default: the default run's cosine mask)")
+    ap.add_argument("--batch", type=int, default=8, help="rows of 256 tokens a step (the default run's batch)")
+    ap.add_argument("--repeats", type=int, default=10, help="timed steps of each kind (after one warm-up each)")
+    ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from overrep.app.runinfo import processor
+    from overrep.core.linear_ce import head_cross_entropy
+    from overrep.core.precision import autocast, resolve_precision
+    from overrep.data.splits import split_source
+    from overrep.model.arch import decoder_layers, final_norm
+    from overrep.model.hooks import capture_layer_context, run_to_hidden, run_to_logits
+    from overrep.model.lm_loss import CausalLMLoss
+    from overrep.model.loading import load_model
+    from overrep.model.surgery import parse_layers, plan_pruning, prune
+
+    precision = resolve_precision(args.precision, "cpu")
+    model, tokenizer, _ = load_model(None if args.model == "embedded" else args.model)
+    plan = plan_pruning(len(decoder_layers(model)), parse_layers(args.remove), blocks=1)
+    model = prune(model, plan).eval()
+    model.requires_grad_(False)
+    ids = split_source("embedded", tokenizer, seq_len=256, train_sequences=args.batch, test_sequences=1,
+                       progress=False).train[:args.batch]
+    layers, cut = decoder_layers(model), plan.removed[0]  # the module ends at compact block cut - 1
+    ctx = capture_layer_context(model, ids.shape[1])
+    tail = [(layers[i], ctx[i]) for i in range(cut, len(layers))]
+    norm, head = final_norm(model), model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    with torch.no_grad():
+        h0 = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states[cut].float()
+    labels = ids[:, 1:].flatten()
+
+    def tail_plain(h):
+        logits = run_to_logits(h, tail, norm, head, softcap)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels)
+
+    def tail_fused(h):
+        x = run_to_hidden(h, tail, norm)
+        return head_cross_entropy(x[:, :-1].flatten(0, 1), head, labels, softcap)
+
+    def tail_step(fn, at=None):
+        h = h0.clone().requires_grad_()
+        t = time.perf_counter()
+        with autocast(at or precision, "cpu"):
+            loss = fn(h)
+        loss.backward()
+        return time.perf_counter() - t, loss.item(), h.grad
+
+    for layer in layers:  # the whole-model case trains every retained block (full fine-tuning's gradients)
+        layer.requires_grad_(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused_loss = CausalLMLoss(model)
+
+    def whole_step(fn, at=None):
+        model.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        with autocast(at or precision, "cpu"):
+            loss = fn(ids)
+        loss.backward()
+        return time.perf_counter() - t, loss.item(), params[0].grad
+
+    cases = {"tail": (tail_step, tail_plain, tail_fused),
+             "whole_model": (whole_step, lambda x: model(input_ids=x, labels=x, use_cache=False).loss, fused_loss)}
+    out: dict = {"cpu": processor(torch.device("cpu")), "threads": torch.get_num_threads(), "precision": precision,
+                 "batch": args.batch, "seq_len": ids.shape[1], "remove": args.remove,
+                 "vocab": head.weight.shape[0], "cases": {}}
+    for name, (step, plain, fused) in cases.items():
+        for layer in layers:  # the tail is frozen; the whole model trains its blocks
+            layer.requires_grad_(name == "whole_model")
+        times: dict = {"plain": [], "fused": []}
+        step(plain), step(fused)  # warm-up
+        for _ in range(args.repeats):
+            for kind, fn in (("plain", plain), ("fused", fused)):
+                seconds, loss, grad = step(fn)
+                times[kind].append(seconds)
+                if kind == "plain":
+                    ref = (loss, grad.clone())
+                else:
+                    diff = {"loss": abs(loss - ref[0]) / abs(ref[0]),
+                            "gradient": ((grad - ref[1]).norm() / ref[1].norm()).item()}
+        res = {k: _summary(v) for k, v in times.items()}
+        if precision != "fp32":  # each way's gradient against the plain one in fp32: is the fused one worse?
+            exact = step(plain, "fp32")[2].clone()
+            res["gradient_error_vs_fp32"] = {kind: ((step(fn)[2] - exact).norm() / exact.norm()).item()
+                                             for kind, fn in (("plain", plain), ("fused", fused))}
+        res["plain_over_fused"] = res["plain"]["median"] / res["fused"]["median"]
+        res["relative_difference"] = diff
+        if name == "whole_model":
+            res["fused_used"] = fused.parts is not None
+        out["cases"][name] = res
+        print(f"{name}: plain {res['plain']['median']:.3f} s [{res['plain']['min']:.3f}, {res['plain']['max']:.3f}], "
+              f"fused {res['fused']['median']:.3f} s [{res['fused']['min']:.3f}, {res['fused']['max']:.3f}]: "
+              f"{res['plain_over_fused']:.2f}x", file=sys.stderr)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
