@@ -3,7 +3,8 @@
 Two places train on the next-token loss through a frozen LM head: the ``ce`` phase of the
 default ``normed>ce`` (the recovery module's output run through the frozen tail of the pruned
 model: :meth:`overrep.recovery.losses.Tail.next_token_loss`) and the whole-model methods
-(LoRA, full fine-tuning, ``overrep-lm``: :class:`overrep.model.lm_loss.CausalLMLoss`). Each is
+(full fine-tuning, ``overrep-lm``, and LoRA: PEFT adapters of rank ``--lora-rank`` on every
+projection, :class:`overrep.model.lm_loss.CausalLMLoss`). Each is
 timed, forward and backward, on the same rows of the default training text, once the plain way
 (the batch's logits in fp32, then ``cross_entropy``: what the model's own ``labels=`` loss does)
 and once fused (:func:`overrep.core.linear_ce.head_cross_entropy`), the two alternating
@@ -40,9 +41,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10, help="timed steps of each kind (after one warm-up each)")
     ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--lora-rank", type=int, default=118,
+                    help="rank of the LoRA case's adapters on every projection (118: what lora-iso picks on the default)")
+    ap.add_argument("--chunk-logits", type=int, default=None,
+                    help="logits held at once by the fused loss (default overrep.core.linear_ce.CHUNK_LOGITS)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from overrep.core import linear_ce
+
+    if args.chunk_logits:
+        linear_ce.CHUNK_LOGITS = args.chunk_logits
 
     from overrep.app.runinfo import processor
     from overrep.core.linear_ce import head_cross_entropy
@@ -100,13 +109,28 @@ def main() -> None:
         return time.perf_counter() - t, loss.item(), params[0].grad
 
     cases = {"tail": (tail_step, tail_plain, tail_fused),
-             "whole_model": (whole_step, lambda x: model(input_ids=x, labels=x, use_cache=False).loss, fused_loss)}
+             "whole_model": (whole_step, lambda x: model(input_ids=x, labels=x, use_cache=False).loss, fused_loss),
+             "lora": None}  # built when its turn comes: PEFT wraps the model's projections in place
     out: dict = {"cpu": processor(torch.device("cpu")), "threads": torch.get_num_threads(), "precision": precision,
                  "batch": args.batch, "seq_len": ids.shape[1], "remove": args.remove,
-                 "vocab": head.weight.shape[0], "cases": {}}
-    for name, (step, plain, fused) in cases.items():
+                 "vocab": head.weight.shape[0], "chunk_logits": linear_ce.CHUNK_LOGITS, "cases": {}}
+    for name, case in cases.items():
         for layer in layers:  # the tail is frozen; the whole model trains its blocks
             layer.requires_grad_(name == "whole_model")
+        if name == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            from overrep.recovery.methods.adapters import projection_names
+
+            peft = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
+                                                    target_modules=projection_names(model), task_type="CAUSAL_LM"))
+            torch.manual_seed(0)
+            for n, p in peft.named_parameters():
+                if "lora_B" in n:  # adapters as after some training (B = 0 at the start gives A no gradient)
+                    torch.nn.init.normal_(p, std=1e-3)
+            params[:] = [p for p in peft.parameters() if p.requires_grad]
+            case = (whole_step, lambda x: peft(input_ids=x, labels=x, use_cache=False).loss, CausalLMLoss(peft))
+        step, plain, fused = case
         times: dict = {"plain": [], "fused": []}
         step(plain), step(fused)  # warm-up
         for _ in range(args.repeats):
@@ -125,7 +149,7 @@ def main() -> None:
                                              for kind, fn in (("plain", plain), ("fused", fused))}
         res["plain_over_fused"] = res["plain"]["median"] / res["fused"]["median"]
         res["relative_difference"] = diff
-        if name == "whole_model":
+        if name != "tail":
             res["fused_used"] = fused.parts is not None
         out["cases"][name] = res
         print(f"{name}: plain {res['plain']['median']:.3f} s [{res['plain']['min']:.3f}, {res['plain']['max']:.3f}], "

@@ -129,14 +129,14 @@ def test_next_token_loss_bench_times_both_ways_and_they_agree(tmp_path):
     model = make_tiny_model_dir(tmp_path / "tiny-llama", _docs())
     script = SCRIPT.parent / "bench_next_token_loss.py"
     done = subprocess.run([sys.executable, str(script), "--model", str(model), "--remove", "2-3", "--batch", "2",
-                           "--repeats", "2", "--threads", "1", "--precision", "fp32"], capture_output=True, text=True,
+                           "--repeats", "2", "--threads", "1", "--precision", "fp32", "--chunk-logits", "1000", "--lora-rank", "4"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
-    assert set(out["cases"]) == {"tail", "whole_model"} and out["precision"] == "fp32"
+    assert set(out["cases"]) == {"tail", "whole_model", "lora"} and out["precision"] == "fp32" and out["chunk_logits"] == 1000
     for case in out["cases"].values():
         assert all(case[k]["steps"] == 2 and 0 < case[k]["min"] <= case[k]["median"] <= case[k]["max"]
                    for k in ("plain", "fused"))
         assert case["plain_over_fused"] > 0
         assert case["relative_difference"]["loss"] < 1e-5 and case["relative_difference"]["gradient"] < 1e-4
-    assert out["cases"]["whole_model"]["fused_used"]
+    assert out["cases"]["whole_model"]["fused_used"] and out["cases"]["lora"]["fused_used"]

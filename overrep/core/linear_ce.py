@@ -10,9 +10,9 @@ Liger-Kernel and of Apple's "Cut Your Losses in Large-Vocabulary Language Models
 plain PyTorch): the same matrix products as the forward and backward passes of the plain
 version, with one fp32 copy of a chunk's logits turned into its gradient in place. The chunks
 bound the memory (:data:`CHUNK_LOGITS`); on a CPU they are best large: the default run's tail
-(8 × 255 tokens, 49k vocabulary) took 1.40 s a step in one chunk against 1.71 s plain, and
-2.1–2.3 s in chunks of 85 tokens, whose products are too thin (``benchmarks/bench_next_token_loss.py``,
-the family 26 EPYC, bf16). The head's weights must be
+(8 × 255 tokens, 49k vocabulary) was 1.23× faster than plain in one chunk and slower than plain
+in chunks of 85 tokens, whose products are too thin (``benchmarks/bench_next_token_loss.py``,
+the family 26 EPYC, bf16; docs/speed.md). The head's weights must be
 frozen (they get no gradient), which is what a recovery through the frozen tail, and LoRA
 (the head is not adapted), train with.
 

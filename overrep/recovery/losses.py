@@ -155,8 +155,9 @@ class Tail:
     def next_token_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy of ``h`` [B, T, d] on ``labels`` [B, T] (the rows' own
         tokens), without materialising the logits (:func:`~overrep.core.linear_ce.head_cross_entropy`:
-        the default run's tail, forward and backward, in 1.40 s instead of 1.71 s on the family 26
-        EPYC, ``benchmarks/bench_next_token_loss.py``)."""
+        the default run's tail, forward and backward, 1.23× faster on the family 26 EPYC in
+        ``benchmarks/bench_next_token_loss.py``, and a ``ce`` step of the budgeted run 2.54 s → 1.80 s
+        (docs/speed.md))."""
         with autocast(getattr(self.module, "precision", "fp32"), h.device):
             x = run_to_hidden(h, self.blocks, self.norm)
             return head_cross_entropy(x[:, :-1].flatten(0, 1), self.head, labels[:, 1:].flatten().to(x.device),
