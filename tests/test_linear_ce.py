@@ -107,13 +107,12 @@ def test_a_model_that_scales_its_logits_computes_its_own_loss():
     assert got.item() == pytest.approx(model(input_ids=ids, labels=ids).loss.item(), rel=1e-6)
 
 
-def test_a_trained_head_or_a_loss_the_model_adds_to_is_left_to_the_model():
+def test_a_trained_head_is_left_to_the_model():
     model = tiny_model("llama")
     model.requires_grad_(True)  # the head (tied to the embeddings) trains: nothing to fuse
     assert CausalLMLoss(model).parts is None
     model.requires_grad_(False)
     assert CausalLMLoss(model).parts is not None
-    assert CausalLMLoss(model, fused=False).parts is None  # AdaLoRA's objective asks for the model's own
 
 
 def test_a_peft_lora_model_is_fused_through_its_adapters():
@@ -135,3 +134,23 @@ def test_a_peft_lora_model_is_fused_through_its_adapters():
     assert got.item() == pytest.approx(own.item(), rel=1e-5)
     for a, b in zip(torch.autograd.grad(got, params), want):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_adalora_keeps_the_loss_peft_computes_with_its_penalty():
+    """AdaLoRA's objective asks for the model's own loss: PEFT adds its orthogonality penalty to
+    it, which a head's cross-entropy alone would drop."""
+    from peft import AdaLoraConfig, get_peft_model
+
+    from overrep.recovery.methods.adapters import AdaLoraLanguageModeling
+
+    model = get_peft_model(tiny_model("llama"), AdaLoraConfig(init_r=4, target_r=2, total_step=10, lora_dropout=0.0,
+                                                               target_modules=["q_proj", "v_proj"],
+                                                               task_type="CAUSAL_LM"))
+    model.train()
+    ids = tiny_ids(batch=2, seq=16)
+    got = AdaLoraLanguageModeling(model, ids, None).rows_loss(ids)
+    own = model(input_ids=ids, labels=ids, use_cache=False).loss
+    assert got.item() == pytest.approx(own.item(), rel=1e-6)
+    # without the flag the first batch's check sees the penalty and hands the loss back to the model too
+    unflagged = CausalLMLoss(model)
+    assert unflagged(ids).item() == pytest.approx(own.item(), rel=1e-6) and unflagged.parts is None
