@@ -562,3 +562,44 @@ def test_a_costlier_later_phase_shortens_the_run_to_its_deadline(assets, tmp_pat
     first_ce = phases.index("ce")
     assert set(phases[first_ce:]) == {"ce"} and late[0]["step"] == first_ce + 4  # its first step is not timed
     assert len(log) == m["train_steps"] and log[-1]["alpha"] == 0.0 and log[-1]["lr"] < log[first_ce]["lr"]
+
+
+def test_the_later_phase_prices_the_rows_it_reads_past_the_cache():
+    """A re-fit that lengthens a one-pass ``ce`` phase past the rows the first plan cached
+    reads the data's other rows live: their steps cost a row's features each on top."""
+    costs = StepCosts(step=1.0, validation=0.0, checkpoint=0.0, later=4.0, later_share=0.2, one_pass=True,
+                      rows_per_step=8, max_rows=160, row=0.5)
+    assert costs.later_steps(100) == 20 and costs.live_steps(100) == 0  # (no live rows priced: the first plan)
+    live = replace(costs, live_row=0.5, cached=80)
+    assert live.live_steps(100) == 10  # the phase's last 10 steps read rows 80-159
+    assert live.train_seconds(100) == 80 * 1.0 + 20 * 4.0 + 10 * 8 * 0.5
+    assert live.train_seconds(100, done=95) == 5 * 4.0 + 5 * 8 * 0.5  # they are the phase's last ones
+    deadline = Deadline(at=100.0, costs=costs, eval_every=0, checkpoint_every=1000)
+    cached_only = deadline.steps_left(1.0, now=40.0, done=40, rows=80)
+    with_live = deadline.steps_left(1.0, now=40.0, done=40, rows=160, cached=80)
+    free = deadline.steps_left(1.0, now=40.0, done=40, rows=160)
+    assert cached_only > with_live and free > with_live  # the live rows' features are priced
+
+
+def test_a_next_token_phase_reads_past_the_cached_rows_when_a_refit_lengthens_it(assets, tmp_path, monkeypatch):
+    """``normed>ce`` under a budget: the probe prices a step too high, so the first plan caches
+    few rows; its re-fits then add steps, and the ``ce`` phase goes on past the cached rows to
+    the data's others (their features computed as they are read, each row once) instead of
+    leaving the steps to the layer-wise phase."""
+    no_deadline_stop(monkeypatch)
+    import overrep.recovery.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module.Trainer, "measure", lambda self, steps=2: StepCosts(5.0, 0.0, 0.0, anneal=5.0))
+    monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: 100)  # the re-fit: 100 steps more
+    monkeypatch.setattr(trainer_module, "refit_late_phase", lambda trainer, phase, began, seconds: began)
+    out = tmp_path / "live"
+    m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                          recovery__time_budget="60s", recovery__warm_start="none", recovery__loss="normed>ce",
+                          recovery__budget_passes=1, data__train_sequences=64), progress=False).run()
+    tb = m["time_budget"]
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    ce = [r for r in log if r.get("phase") == "ce"]
+    assert tb["rows"] == 4 * tb["refit"]["steps_before"] < 64 and tb["steps"] == m["train_steps"] > 100
+    # the phase's share (a fifth) is more than the cached rows hold: one pass over all 64 rows
+    assert len(ce) == 16 and tb["live_rows"] == 64 - tb["rows"] and tb["live_seconds"] > 0
+    assert m["merge_max_rel_diff"] <= 1e-5 and log[-1]["alpha"] == 0.0

@@ -276,3 +276,48 @@ def test_a_next_token_phase_is_one_pass_over_the_rows_at_most(tmp_path):
     assert obj.phase_starts() == [80] and t.total == 100
     obj, t = trainer("mse>normed", 40)
     assert obj.phase_starts() == [80] and obj.step_limit() is None
+
+
+def test_rows_past_the_cache_are_read_with_the_features_a_cache_would_hold(tmp_path):
+    """The later phase's rows past the cached ones: features computed when read, equal to
+    what caching them would have stored, in the batch's order, and counted."""
+    from overrep.model.surgery import plan_pruning
+    from overrep.recovery.teacher import Teacher
+    from tiny import tiny_ids, tiny_model
+
+    dense = tiny_model("llama").eval()
+    plan = plan_pruning(6, [3, 4])
+    ids = tiny_ids(batch=12, seq=16)
+    whole = Teacher(dense, plan, ids, tmp_path, {"t": "whole"}, progress=False)
+    part = Teacher(dense, plan, ids, tmp_path, {"t": "part"}, progress=False)
+    part.use_rows(8)
+    assert part.train_ids.shape[0] == 8 and part.all_ids.shape[0] == 12
+    want, got = whole.features(), part.features()
+    for idx in ([9, 11], [1, 10, 3, 8]):  # past the cache only; a mixed batch
+        for a, b in zip(want(idx), got(idx)):
+            for k in ("inputs", "targets"):
+                assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5) and a[k].dtype == b[k].dtype
+    assert part.live_rows_read == 4 and part.live_seconds > 0 and whole.live_rows_read == 0
+
+
+def test_a_next_token_phase_reads_the_cached_rows_then_the_rows_past_them(tmp_path):
+    """With rows past the cache (``Objective.live_rows``), the ``ce`` phase's one pass is the
+    cached rows in a fresh order, then the others, each once: the switch moves only where
+    both together are less than its share."""
+    from overrep.recovery.options import TrainingOptions
+    from overrep.recovery.trainer import Trainer
+    from tiny import LinearModule
+
+    obj = Layerwise([LinearModule()], [[]], None, options=LossOptions(loss="normed>ce", loss_switch=0.8), total_steps=100)
+    obj.activations, obj.live_rows = [], 16
+    t = Trainer(obj, 40, TrainingOptions(batch_size=4, lr=1e-3), 100, tmp_path, progress=False)
+    assert obj.pass_steps == 14 and obj.phase_starts() == [86]  # 10 cached + 4 live steps, against 20
+    cached = [i for s in range(86, 96) for i in t.batch_indices(s)]
+    live = [i for s in range(96, 100) for i in t.batch_indices(s)]
+    assert sorted(cached) == list(range(40)) and sorted(live) == list(range(40, 56))
+    obj.after_optimizer_step(90)
+    t.set_total(130)  # after the switch: one pass over both, no more
+    assert t.total == 100
+    few = Layerwise([LinearModule()], [[]], None, options=LossOptions(loss="normed>ce", loss_switch=0.8), total_steps=100)
+    few.activations, few.live_rows = [], 3  # fewer than a batch: none
+    assert Trainer(few, 40, TrainingOptions(batch_size=4, lr=1e-3), 100, tmp_path, progress=False).live_rows == 0

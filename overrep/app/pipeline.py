@@ -345,6 +345,9 @@ class Pipeline:
         gather(self.recovery.objective)  # recovery.shard: fsdp -- full plain blocks again, for the merge
         if self.budget is not None:
             self.metrics["time_budget"].update(budget_outcome(trainer))
+            if self.teacher is not None and self.teacher.live_rows_read:  # the later phase read past the cache
+                self.metrics["time_budget"].update(live_rows=self.teacher.live_rows_read,
+                                                   live_seconds=round(self.teacher.live_seconds, 2))
         if self.world.is_main:
             trainer.write_log(self.out / "train_log.jsonl")
         self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds, "train_tokens": result.tokens,

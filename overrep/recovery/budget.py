@@ -90,6 +90,10 @@ class StepCosts:
     later: float = 0.0
     later_share: float = 0.0
     one_pass: bool = False
+    #: rows past ``cached`` that the one-pass later phase reads live, at ``live_row`` seconds each
+    #: more (a re-fit's view: :meth:`Deadline.steps_left`); 0: none
+    live_row: float = 0.0
+    cached: int = 0
 
     def later_steps(self, total: int) -> int:
         """Steps of a ``total``-step run in the later phase (as ``Layerwise.set_total_steps`` places its switch)."""
@@ -100,10 +104,17 @@ class StepCosts:
             n = min(n, max(self.max_rows // self.rows_per_step, 1))
         return n
 
+    def live_steps(self, total: int) -> int:
+        """The later phase's last steps, which read rows past the ``cached`` ones (live)."""
+        if not self.live_row or not self.rows_per_step:
+            return 0
+        return max(0, self.later_steps(total) - self.cached // self.rows_per_step)
+
     def train_seconds(self, total: int, done: int = 0) -> float:
         """Seconds of a ``total``-step run's optimiser steps after the first ``done``."""
         later = min(self.later_steps(total), total - done)
-        return (total - done - later) * self.step + later * self.later
+        live = min(self.live_steps(total), later) * self.rows_per_step * self.live_row
+        return (total - done - later) * self.step + later * self.later + live
 
     def rows(self, steps: int) -> int:
         """Training rows ``steps`` steps need features for (at least one step's worth)."""
@@ -196,13 +207,17 @@ class Deadline:
         first = max(3, min(REFIT_STEPS, total // 10))
         return first, 2 * first
 
-    def steps_left(self, seconds_per_step: float, now: float, done: int = 0, rows: int | None = None) -> int:
+    def steps_left(self, seconds_per_step: float, now: float, done: int = 0, rows: int | None = None,
+                   cached: int | None = None) -> int:
         """Steps that fit between ``now`` and the deadline after ``done`` steps when a step in
         the α > 0 phase takes ``seconds_per_step`` (the other phases scaled alike), the later
-        phase held to one pass over ``rows`` (the rows cached: None, as planned); at least 1."""
+        phase held to one pass over ``rows`` (None: as planned), of which those past ``cached``
+        (None: none) are read live at the measured cost of a row's features; at least 1."""
         scale = seconds_per_step / (self.costs.anneal or self.costs.step)
+        live = cached is not None and rows is not None and rows > cached
         costs = replace(self.costs, step=self.costs.step * scale, anneal=seconds_per_step, row=0.0,
-                        later=self.costs.later * scale, max_rows=self.costs.max_rows if rows is None else rows)
+                        later=self.costs.later * scale, max_rows=self.costs.max_rows if rows is None else rows,
+                        live_row=self.costs.row * scale if live else 0.0, cached=cached or 0)
         return fit_steps(0.99 * (self.at - now), costs, self.eval_every, self.checkpoint_every, done) - done
 
 
@@ -239,7 +254,8 @@ def refit_to_deadline(trainer, timed: list[float]) -> None:
     the last re-fit (the run's first step, which pays one-off costs, left out); the phases
     not yet reached are scaled by the same factor against the probe."""
     observed = sum(timed) / len(timed)
-    left = trainer.deadline.steps_left(observed, time.perf_counter(), done=trainer.step, rows=trainer.num_samples)
+    left = trainer.deadline.steps_left(observed, time.perf_counter(), done=trainer.step,
+                                       rows=trainer.num_samples + trainer.live_rows, cached=trainer.num_samples)
     total = trainer.world.broadcast(trainer.step + left)
     _apply_refit(trainer, total, observed)
 
@@ -262,6 +278,13 @@ def refit_late_phase(trainer, phase: str, began: tuple[str, int, bool] | None, s
     if began[2] and timed and len(timed) % PHASE_REFIT_STEPS == 0 and trainer.step < trainer.total:
         observed = sum(timed[-PHASE_REFIT_STEPS:]) / PHASE_REFIT_STEPS
         reserve = trainer.deadline.costs.validation if trainer.eval_every else 0.0
-        fits = max(1, int((0.99 * (trainer.deadline.at - time.perf_counter()) - reserve) // observed))
+        left = 0.99 * (trainer.deadline.at - time.perf_counter()) - reserve
+        # the phase's steps past its cached rows also compute their rows' features (live)
+        start = max((s for s in trainer.objective.phase_starts() if 0 < s <= trainer.step), default=0)
+        cached_left = max(0, start + trainer.steps_per_epoch - trainer.step) if trainer.live_rows else 0
+        more = trainer.per_step * trainer.deadline.costs.row if cached_left else 0.0
+        fits = left // observed if left <= cached_left * observed else \
+            cached_left + (left - cached_left * observed) // (observed + more)
+        fits = max(1, int(fits))
         _apply_refit(trainer, trainer.world.broadcast(trainer.step + fits), observed, phase)
     return began

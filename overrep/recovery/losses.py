@@ -252,7 +252,10 @@ class Loss:
     module, computed once. ``rows(setup)``: per-row extras the batches carry (for the
     training rows and for the validation probe's rows), or None. ``fresh``: the loss learns
     the training text itself, so a row it sees twice is partly memorised; a time budget then
-    caches enough rows for each step of it to see new ones (:func:`fresh_share`)."""
+    caches enough rows for each step of it to see new ones (:func:`fresh_share`). ``live``: its
+    per-row extras exist for every row of the data (the next-token loss's are the row's own
+    tokens), so as an ``A>B`` loss's later phase it may read rows past the feature cache, their
+    features computed when read (:meth:`Teacher.features <overrep.recovery.teacher.Teacher.features>`)."""
 
     name: str
     description: str
@@ -260,6 +263,7 @@ class Loss:
     prepare: Callable[[LossSetup], list[dict]] = _none
     rows: Callable[[LossSetup], tuple[dict, dict]] | None = field(default=None)
     fresh: bool = False
+    live: bool = False
 
 
 def fresh_share(spec: str, switch: float) -> float:
@@ -337,7 +341,8 @@ def _ce_rows(setup: LossSetup) -> tuple[dict, dict]:
     from .teacher import PROBE_ROWS
 
     teacher = setup.teacher
-    train = teacher.train_ids[:PROBE_ROWS] if teacher.mode == "probe" else teacher.train_ids
+    # every row of the data, those past the feature cache included (Loss.live)
+    train = teacher.train_ids[:PROBE_ROWS] if teacher.mode == "probe" else teacher.all_ids
     return {"labels": train}, {"labels": setup.heldout_ids}
 
 
@@ -351,7 +356,8 @@ def _ce_kl(pred, feats, aux, options):
 
 def _ce_kl_rows(setup: LossSetup) -> tuple[dict, dict]:
     (ce_train, ce_val), (kl_train, kl_val) = _ce_rows(setup), _kl_topk_rows(setup)
-    return {**ce_train, **kl_train}, {**ce_val, **kl_val}
+    rows = kl_train["topk_values"].shape[0]  # the teacher's top-K exist for the cached rows only (not live)
+    return {"labels": ce_train["labels"][:rows], **kl_train}, {**ce_val, **kl_val}
 
 
 def _tails(setup: LossSetup) -> list[dict]:
@@ -377,7 +383,7 @@ for _loss in [
     Loss("kl-topk", "KL to the dense model's cached top-K logits, through the remaining frozen blocks", _kl_topk,
          _tails, _kl_topk_rows),
     Loss("ce", "next-token cross-entropy on the training text, through the remaining frozen blocks", _ce, _tails,
-         _ce_rows, fresh=True),
+         _ce_rows, fresh=True, live=True),
     Loss("ce+kl", "(1 - loss_kd) * ce + loss_kd * kl-topk: the text's next tokens held towards the dense model's "
          "predictions, one pass of the frozen tail", _ce_kl, _tails, _ce_kl_rows, fresh=True),
 ]:

@@ -61,6 +61,10 @@ class Objective:
     retargetable: bool = True
     #: steps in one pass over the training rows (the Trainer sets it; None: not known)
     pass_steps: int | None = None
+    #: rows past the cached ones (row indices from the cached count on) that a one-pass later
+    #: phase may read, their features computed when read (:attr:`Loss.live
+    #: <overrep.recovery.losses.Loss.live>`); 0: the cached rows only
+    live_rows: int = 0
 
     def parameters(self) -> list[nn.Parameter]:
         raise NotImplementedError

@@ -58,10 +58,19 @@ class Teacher:
     stream_from: Path | None = None  # a safetensors folder: features by streaming its blocks (overrep.model.streaming)
     precision: str = "fp32"  # the dense forward's: recovery.precision, resolved ("bf16": under bf16 autocast)
     cache: Any = field(default=None, repr=False)
+    #: every training row of the data; ``train_ids`` are the first of them, the ones cached
+    all_ids: torch.Tensor | None = field(default=None, repr=False)
+    #: rows past the cache whose features were computed when a batch read them, and their seconds
+    live_rows_read: int = 0
+    live_seconds: float = 0.0
+
+    def __post_init__(self):
+        if self.all_ids is None:
+            self.all_ids = self.train_ids
 
     def use_rows(self, n: int) -> None:
-        """Train on the first ``n`` rows only (a time budget that needs no more); they get a
-        cache of their own."""
+        """Cache the first ``n`` rows only (a time budget that needs no more); they get a
+        cache of their own. The rest stay readable past the cache (:meth:`features`)."""
         if n < self.train_ids.shape[0]:
             self.train_ids = self.train_ids[:n]
             self.fingerprint = {**self.fingerprint, "rows": n}
@@ -85,7 +94,12 @@ class Teacher:
         return self.cache_root / "features" / digest(self.fingerprint)
 
     def features(self) -> FeatureSource:
-        """The training batch source: the disk cache (built on first use) or the live teacher."""
+        """The training batch source: the disk cache (built on first use) or the live teacher.
+
+        From the disk cache, a row index past the cached rows (``train_ids``) reads row
+        ``all_ids[i]`` with its features computed now, at the cost a cached row paid once: a
+        one-pass later phase whose step count the budget's re-fits raised past the rows the
+        first plan cached reads on (``Objective.live_rows``) instead of reading rows twice."""
         groups = self.plan.groups
         if self.mode == "probe":
             return self._probe(PROBE_ROWS)
@@ -104,9 +118,34 @@ class Teacher:
                                    rebuild=self.rebuild, progress=self.progress, world=self.world)
         self.seconds += time.perf_counter() - t0
 
-        def source(idx: list[int]) -> list[dict]:
+        def cached(idx: list[int]) -> list[dict]:
             got = self.cache.get(idx)
             return [{"inputs": got[f"inputs_{g}"], "targets": got[f"targets_{g}"]} for g in range(len(groups))]
+        return self._past_cache(cached)
+
+    def _past_cache(self, cached: FeatureSource) -> FeatureSource:
+        """``cached`` for the cached rows' indices; rows past them computed when read, stored
+        as the cache stores them."""
+        n, dtype = self.train_ids.shape[0], FEATURE_DTYPES[self.dtype]
+
+        def source(idx: list[int]) -> list[dict]:
+            past = [i for i in idx if i >= n]
+            if not past:
+                return cached(idx)
+            if max(past) >= self.all_ids.shape[0]:
+                raise IndexError(f"training row {max(past)} requested; the data holds {self.all_ids.shape[0]}")
+            t0 = time.perf_counter()
+            live = [{k: v.to("cpu", dtype) for k, v in f.items()} for f in self.batch(self.all_ids[past])]
+            self.live_seconds += time.perf_counter() - t0
+            self.live_rows_read += len(past)
+            inside = [i for i in idx if i < n]
+            if not inside:
+                return live
+            have = cached(inside)
+            # the batch's order: the cached rows' and the live rows' features merged back into it
+            order = torch.tensor([j for j in range(len(idx)) if idx[j] < n] + [j for j in range(len(idx)) if idx[j] >= n])
+            back = torch.argsort(order)
+            return [{k: torch.cat([h[k], l[k].to(h[k].dtype)])[back] for k in h} for h, l in zip(have, live)]
         return source
 
 

@@ -107,7 +107,10 @@ class Trainer:
             raise OverRepError(f"batch_size x grad_accum = {self.per_step} exceeds the {num_samples} training "
                                "sequences; lower the batch or add data")
         self.steps_per_epoch = num_samples // self.per_step
-        objective.pass_steps = self.steps_per_epoch
+        # rows past the cached ones a one-pass later phase reads once it has read these (live)
+        live = getattr(objective, "live_rows", 0)
+        self.live_rows = live if live >= self.per_step else 0
+        objective.pass_steps = self.steps_per_epoch + self.live_rows // self.per_step
         # steps between validations (0: none); a time budget passes its own (recovery.validation_share)
         self.eval_every = cfg.eval_every if eval_every is None else eval_every
         self.opt = make_optimizer(objective, cfg)
@@ -150,7 +153,13 @@ class Trainer:
         # an objective's later phase (the next-token phase of normed>ce) starts a fresh pass over
         # the rows, so that it sees each once before any twice (losses.fresh_share sizes the rows)
         start = max((s for s in self.objective.phase_starts() if 0 < s <= step), default=0)
-        epoch, i = divmod(step - start, self.steps_per_epoch)
+        i = step - start
+        if start and self.live_rows and i >= self.steps_per_epoch:  # the cached rows read: the rows past them
+            past = epoch_batches(self.live_rows, self.per_step, seed=self.cfg.seed, epoch=0, phase=start)
+            if i - self.steps_per_epoch < len(past):
+                return [self.num_samples + k for k in past[i - self.steps_per_epoch]]
+            i -= len(past)  # (past one pass: the cached rows again, as without them)
+        epoch, i = divmod(i, self.steps_per_epoch)
         return epoch_batches(self.num_samples, self.per_step, seed=self.cfg.seed, epoch=epoch, phase=start)[i]
 
     @property

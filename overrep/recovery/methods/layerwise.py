@@ -57,6 +57,9 @@ class LayerwiseRun(MethodRun):
                                    total_steps=inputs.total_steps,
                                    ppl_model=model if inputs.val_ids is not None else None,
                                    ppl_ids=inputs.val_ids, prefix=inputs.prefix)
+        if with_data and teacher.mode == "disk" and len(losses) > 1 and losses[-1].fresh and losses[-1].live:
+            # the next-token phase reads on past the rows the budget's first plan cached
+            self.objective.live_rows = teacher.all_ids.shape[0] - teacher.train_ids.shape[0]
 
     def _time_extras(self, seconds: float, train_rows: dict, val_rows: dict) -> None:
         """Share ``seconds`` between the training and validation rows the extras were built for
