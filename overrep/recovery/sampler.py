@@ -32,3 +32,18 @@ def epoch_batches(
     random.Random(f"overrep-epoch:{seed}:{epoch}" + (f":from-step-{phase}" if phase else "")).shuffle(order)
     stop = num_samples - num_samples % batch_size if drop_last else num_samples
     return [order[i:i + batch_size] for i in range(0, stop, batch_size)]
+
+
+def step_batch(i: int, num_samples: int, batch_size: int, *, seed: int, phase: int = 0, live_rows: int = 0) -> list[int]:
+    """The row indices of step ``i`` of a phase that began at step ``phase`` (0: the run's
+    start): epochs of :func:`epoch_batches` over the ``num_samples`` cached rows, or, with
+    ``live_rows``, one pass over the cached rows, then one over the ``live_rows`` rows numbered
+    after them (read past the cache: ``Objective.live_rows``), then the cached rows again."""
+    per_epoch = num_samples // batch_size
+    if live_rows and i >= per_epoch:
+        past = epoch_batches(live_rows, batch_size, seed=seed, epoch=0, phase=phase)
+        if i - per_epoch < len(past):
+            return [num_samples + k for k in past[i - per_epoch]]
+        i -= len(past)
+    epoch, i = divmod(i, per_epoch)
+    return epoch_batches(num_samples, batch_size, seed=seed, epoch=epoch, phase=phase)[i]

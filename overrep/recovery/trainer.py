@@ -33,7 +33,7 @@ from ..atomic import save_torch, write_text
 from . import sharding
 from .budget import Deadline, StepCosts, phase_costs, refit_late_phase, refit_to_deadline, stretches
 from .keep_best import KeepBest
-from .sampler import epoch_batches
+from .sampler import step_batch
 from ..distributed import SINGLE, World
 from ..errors import OverRepError
 from .objectives import Objective
@@ -153,14 +153,8 @@ class Trainer:
         # an objective's later phase (the next-token phase of normed>ce) starts a fresh pass over
         # the rows, so that it sees each once before any twice (losses.fresh_share sizes the rows)
         start = max((s for s in self.objective.phase_starts() if 0 < s <= step), default=0)
-        i = step - start
-        if start and self.live_rows and i >= self.steps_per_epoch:  # the cached rows read: the rows past them
-            past = epoch_batches(self.live_rows, self.per_step, seed=self.cfg.seed, epoch=0, phase=start)
-            if i - self.steps_per_epoch < len(past):
-                return [self.num_samples + k for k in past[i - self.steps_per_epoch]]
-            i -= len(past)  # (past one pass: the cached rows again, as without them)
-        epoch, i = divmod(i, self.steps_per_epoch)
-        return epoch_batches(self.num_samples, self.per_step, seed=self.cfg.seed, epoch=epoch, phase=start)[i]
+        return step_batch(step - start, self.num_samples, self.per_step, seed=self.cfg.seed, phase=start,
+                          live_rows=self.live_rows if start else 0)
 
     @property
     def alpha(self) -> float:
