@@ -280,8 +280,8 @@ def refit_late_phase(trainer, phase: str, began: tuple[str, int, bool] | None, s
         reserve = trainer.deadline.costs.validation if trainer.eval_every else 0.0
         left = 0.99 * (trainer.deadline.at - time.perf_counter()) - reserve
         # the phase's steps past its cached rows also compute their rows' features (live)
-        start = max((s for s in trainer.objective.phase_starts() if 0 < s <= trainer.step), default=0)
-        cached_left = max(0, start + trainer.steps_per_epoch - trainer.step) if trainer.live_rows else 0
+        cached_left = max(0, trainer.phase_start(trainer.step) + trainer.steps_per_epoch - trainer.step) \
+            if trainer.live_rows else 0
         more = trainer.per_step * trainer.deadline.costs.row if cached_left else 0.0
         fits = left // observed if left <= cached_left * observed else \
             cached_left + (left - cached_left * observed) // (observed + more)

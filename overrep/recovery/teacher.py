@@ -129,23 +129,15 @@ class Teacher:
         n, dtype = self.train_ids.shape[0], FEATURE_DTYPES[self.dtype]
 
         def source(idx: list[int]) -> list[dict]:
-            past = [i for i in idx if i >= n]
-            if not past:
+            if min(idx) < n:  # (a batch is all cached rows or all rows past them: sampler.step_batch)
                 return cached(idx)
-            if max(past) >= self.all_ids.shape[0]:
-                raise IndexError(f"training row {max(past)} requested; the data holds {self.all_ids.shape[0]}")
+            if max(idx) >= self.all_ids.shape[0]:
+                raise IndexError(f"training row {max(idx)} requested; the data holds {self.all_ids.shape[0]}")
             t0 = time.perf_counter()
-            live = [{k: v.to("cpu", dtype) for k, v in f.items()} for f in self.batch(self.all_ids[past])]
+            live = [{k: v.to("cpu", dtype) for k, v in f.items()} for f in self.batch(self.all_ids[idx])]
             self.live_seconds += time.perf_counter() - t0
-            self.live_rows_read += len(past)
-            inside = [i for i in idx if i < n]
-            if not inside:
-                return live
-            have = cached(inside)
-            # the batch's order: the cached rows' and the live rows' features merged back into it
-            order = torch.tensor([j for j in range(len(idx)) if idx[j] < n] + [j for j in range(len(idx)) if idx[j] >= n])
-            back = torch.argsort(order)
-            return [{k: torch.cat([h[k], l[k].to(h[k].dtype)])[back] for k in h} for h, l in zip(have, live)]
+            self.live_rows_read += len(idx)
+            return live
         return source
 
 

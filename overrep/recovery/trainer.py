@@ -152,9 +152,13 @@ class Trainer:
     def batch_indices(self, step: int) -> list[int]:
         # an objective's later phase (the next-token phase of normed>ce) starts a fresh pass over
         # the rows, so that it sees each once before any twice (losses.fresh_share sizes the rows)
-        start = max((s for s in self.objective.phase_starts() if 0 < s <= step), default=0)
+        start = self.phase_start(step)
         return step_batch(step - start, self.num_samples, self.per_step, seed=self.cfg.seed, phase=start,
                           live_rows=self.live_rows if start else 0)
+
+    def phase_start(self, step: int) -> int:
+        """The step at which the objective's phase holding ``step`` began (0: the first phase)."""
+        return max((s for s in self.objective.phase_starts() if 0 < s <= step), default=0)
 
     @property
     def alpha(self) -> float:
