@@ -46,7 +46,8 @@ def test_a_budget_that_leaves_too_few_steps_is_refused_before_training(assets, t
     monkeypatch.setattr(budgeting, "MIN_WARM_BUDGET_STEPS", 10)
     warm = tiny_cfg(assets, tmp_path / "warm", eval__perplexity=False, eval__latency=False, recovery__steps=None,
                     recovery__time_budget="20s", recovery__warm_start="replaceme")
-    with pytest.raises(OverRepError, match=r"at least 10 are needed from a warm start"):
+    with pytest.raises(OverRepError, match=r"at least 10 are needed from a warm start.*start cold "
+                                           r"\(--set recovery.warm_start=none\) or use a closed form"):
         Pipeline(warm, progress=False).run()
     assert not (tmp_path / "warm" / "metrics.json").exists()
     # recovery.budget_min_steps overrides both floors
@@ -430,8 +431,13 @@ def slow_steps(monkeypatch, seconds: float, validation: float) -> None:
 
 def test_a_run_of_long_steps_stops_before_a_step_that_would_end_past_its_deadline(assets, tmp_path, monkeypatch):
     """A step of a large share of the budget is not started when it would end after the
-    deadline: the run ends within its budget instead of overrunning it by most of a step."""
+    deadline: the run ends within its budget instead of overrunning it by most of a step. The
+    FLOP count after training (bookkeeping) is no part of the seconds it used."""
+    from overrep.recovery.trainer import Trainer
+
     slow_steps(monkeypatch, 0.9, validation=0.0)
+    count = Trainer.count_flops
+    monkeypatch.setattr(Trainer, "count_flops", lambda self: (time.sleep(1.0), count(self))[1])
     m = Pipeline(tiny_cfg(assets, tmp_path / "run", eval__perplexity=False, eval__latency=False, recovery__steps=None,
                           recovery__time_budget="5s", recovery__checkpoint_every=1000), progress=False).run()
     tb = m["time_budget"]
@@ -579,6 +585,9 @@ def test_the_later_phase_prices_the_rows_it_reads_past_the_cache():
     with_live = deadline.steps_left(1.0, now=40.0, done=40, rows=160, cached=80)
     free = deadline.steps_left(1.0, now=40.0, done=40, rows=160)
     assert cached_only > with_live and free > with_live  # the live rows' features are priced
+    # ... at their inputs' share of a row's cost (the blocks before the gap: Teacher.live_share)
+    share = Deadline(at=100.0, costs=replace(costs, live_share=0.25), eval_every=0, checkpoint_every=1000)
+    assert with_live < share.steps_left(1.0, now=40.0, done=40, rows=160, cached=80) <= free
 
 
 def test_a_next_token_phase_reads_past_the_cached_rows_when_a_refit_lengthens_it(assets, tmp_path, monkeypatch):

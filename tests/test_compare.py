@@ -304,6 +304,21 @@ def test_into_writes_the_tables_between_the_markers_of_a_page(assets, tmp_path):
     assert page.read_text() == "no markers\n"
 
 
+def test_into_a_named_section_leaves_the_pages_other_blocks_alone(assets, tmp_path):
+    config = grid_file(assets, tmp_path, methods=["plain"], budgets=["epochs"])
+    page = tmp_path / "page.md"
+    first = "<!-- compare: results -->\nfirst grid\n<!-- /compare -->\n"
+    page.write_text(f"# Page\n\n{first}\nbetween\n\n<!-- compare: later -->\nold\n<!-- /compare -->\nend\n")
+    assert main(["compare", "--config", config, "--quiet", "--into", str(page), "--section", "later"]) == 0
+    text = page.read_text()
+    assert text.startswith(f"# Page\n\n{first}\nbetween\n") and text.endswith("<!-- /compare -->\nend\n")
+    assert "old" not in text and "| plain | 0 |" in text and "--into " + str(page) + " --section later`" in text
+    assert (tmp_path / "img" / "page-later-perplexity.png").stat().st_size > 0
+    assert main(["compare", "--config", config, "--quiet", "--into", str(page), "--section", "absent"]) == 2
+    assert main(["compare", "--config", config, "--quiet", "--into", str(page), "--section", "a -->"]) == 2
+    assert page.read_text() == text
+
+
 def test_collect_only_runs_no_cell_and_lists_the_unfinished_ones(assets, tmp_path):
     config = grid_file(assets, tmp_path, methods=["plain"], budgets=["epochs"])
     assert main(["compare", "--config", config, "--quiet"]) == 0

@@ -183,7 +183,7 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         costs = dataclasses.replace(costs, rows_per_step=per_step, max_rows=inputs.train_ids.shape[0])
         if sizes_cache:
             costs = dataclasses.replace(costs, row=teacher.row_seconds + extras_row, passes=r.budget_passes,
-                                        fresh_share=fresh)
+                                        fresh_share=fresh, live_share=teacher.live_share)
         left = budget - (time.perf_counter() - started) - max(0.0, rebuild)
         costs = world.broadcast(costs)  # rank 0's figures decide
         info.update({f"measured_{k}": v for k, v in (("seconds_per_step", costs.step),
@@ -207,8 +207,11 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
             raise OverRepError(f"recovery.time_budget {asked} leaves {method.name} {total} optimiser step(s) "
                                f"on this machine after its set-up; at least {floor} are needed"
                                f"{' from a warm start' if warm else ''} (about "
-                               f"{needed:.0f} s here; recovery.budget_min_steps sets the floor), or use a closed form such "
-                               "as --method replaceme, which trains nothing")
+                               f"{needed:.0f} s here; recovery.budget_min_steps sets the floor), "
+                               # a cold start sets no map up and keeps no closed form to score: on a 2-core CPU,
+                               # a minute's default run is refused warm and beats the closed form cold (docs/results.md)
+                               + ("start cold (--set recovery.warm_start=none) " if warm else "")
+                               + "or use a closed form such as --method replaceme, which trains nothing")
         eval_every = info["eval_every"] = spread(total, validations)
         later = f" ({costs.later_steps(total)} of them at {costs.later:.2f} s)" if costs.later_share else ""
         log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps%s on "

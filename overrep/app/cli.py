@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--into", metavar="DOC", help="also write the tables into DOC (a markdown page), between its "
                                                  "'<!-- compare: results -->' and '<!-- /compare -->' lines, and "
                                                  "the plots beside it (img/)")
+    c.add_argument("--section", default="results", help="--into: the block to write, between "
+                                                        "'<!-- compare: SECTION -->' and the next '<!-- /compare -->' "
+                                                        "(default: results)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 

@@ -275,6 +275,10 @@ def cmd_compare(args) -> int:
         raise OverRepError("--no-benchmarks and --cached-benchmarks exclude each other")
     if args.cached_benchmarks and not cfg.benchmarks:
         raise OverRepError("--cached-benchmarks needs the grid's `benchmarks:` setting (the results it names)")
+    if args.into:  # a page without the block fails now, not after the grid
+        from .compare_report import page_block
+
+        page_block(Path(args.into), args.section)
     results = Compare(cfg, progress=not args.quiet, collect_only=args.collect_only,
                       cached_benchmarks=args.cached_benchmarks).run()
     failed = [r for r in results["rows"] if r.get("status") not in ("ok", NOT_RUN)]
@@ -285,7 +289,8 @@ def cmd_compare(args) -> int:
     if args.into:
         from .compare_report import write_into
 
-        print(f"tables and plots written into {write_into(Path(args.into), Path(cfg.output), results, _compare_command(args))}")
+        page = write_into(Path(args.into), Path(cfg.output), results, _compare_command(args), args.section)
+        print(f"tables and plots written into {page}")
     return 1 if failed else 0
 
 
@@ -294,6 +299,8 @@ def _compare_command(args) -> str:
     parts = ["overrep compare"] + [f"--{k.replace('_', '-')} {v}" for k in ("config", "methods", "criteria", "ratios",
                                                                           "budgets", "seeds", "output", "into")
                                    if (v := getattr(args, k))]
+    if args.into and args.section != "results":
+        parts.append(f"--section {args.section}")
     return " ".join(parts + (["--no-benchmarks"] if args.no_benchmarks else [])
                     + (["--cached-benchmarks"] if args.cached_benchmarks else [])
                     + (["--collect-only"] if args.collect_only else []))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -294,7 +295,8 @@ def _by_method(rows: list[dict]) -> dict[str, list[float]]:
 
 def plot_budgets(results: dict, path: Path) -> bool:
     """Held-out perplexity against the wall-clock budget, one line per method and plan
-    (mean over seeds, bars: min–max); only for grids with duration budgets."""
+    (mean over seeds, bars: min–max), the dense model's as a dotted line; only for grids with
+    duration budgets."""
     rows = [r for r in results["rows"] if r.get("status") == "ok" and r.get("budget_seconds")]
     if not rows:
         return False
@@ -311,6 +313,8 @@ def plot_budgets(results: dict, path: Path) -> bool:
         style = "-" if key[2].startswith("overrep") else "--"
         ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]], fmt=style + "o",
                     capsize=3, label=f"{key[2]} ({key[0]} {key[1]:g})")
+    if dense := results.get("dense", {}).get("ppl"):
+        ax.axhline(dense, color="k", linestyle=":", label=f"dense {fmt_ppl(dense)}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     minutes = [seconds[b] / 60 for b in durations]
@@ -404,24 +408,42 @@ def write_compare_report(out: Path, results: dict) -> Path:
     return write_text(out / "results.md", text, "the comparison table")
 
 
-BEGIN, END = "<!-- compare: results -->", "<!-- /compare -->"
+END = "<!-- /compare -->"
 
 
-def write_into(doc: Path, out: Path, results: dict, command: str) -> Path:
-    """Replace the part of ``doc`` between :data:`BEGIN` and :data:`END` by the grid's tables,
-    headed by the command that wrote them, and copy its plots into ``img/`` beside ``doc``
-    (named after the page), so that a results page is regenerated, never typed."""
+def begin_marker(section: str = "results") -> str:
+    """The line that opens a page's block of grid tables; a page can hold several grids'
+    blocks, each under its own name (``--section``)."""
+    return f"<!-- compare: {section} -->"
+
+
+def page_block(doc: Path, section: str = "results") -> tuple[str, str]:
+    """``doc``'s text and the opening line of its ``section``, or the error that says why the
+    grid's tables cannot go there (checked before a grid runs, and again when it writes)."""
+    if not re.fullmatch(r"[\w.-]+", section):
+        raise OverRepError(f"--section {section!r}: letters, digits, '.', '-' and '_' only")
+    begin = begin_marker(section)
     text = doc.read_text() if doc.is_file() else ""
-    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
-        raise OverRepError(f"{doc}: no '{BEGIN}' ... '{END}' lines to write the tables between")
+    if begin not in text or END not in text.split(begin, 1)[1]:
+        raise OverRepError(f"{doc}: no '{begin}' ... '{END}' lines to write the tables between")
+    return text, begin
+
+
+def write_into(doc: Path, out: Path, results: dict, command: str, section: str = "results") -> Path:
+    """Replace the part of ``doc`` between the ``section``'s opening line and the next
+    :data:`END` by the grid's tables, headed by the command that wrote them, and copy its plots
+    into ``img/`` beside ``doc`` (named after the page and the section), so that a results page
+    is regenerated, never typed."""
+    text, begin = page_block(doc, section)
     img = doc.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
     body = markdown(results).removeprefix("# overrep compare\n").strip()
+    stem = doc.stem if section == "results" else f"{doc.stem}-{section}"
     for plot in sorted((out / "plots").glob("*.png")):
-        name = f"{doc.stem}-{plot.name}"
+        name = f"{stem}-{plot.name}"
         write_file(img / name, lambda tmp, plot=plot: shutil.copyfile(plot, tmp), "a plot")
         body += f"\n\n![{plot.stem}](img/{name})"
-    head, rest = text.split(BEGIN, 1)
+    head, rest = text.split(begin, 1)
     tail = rest.split(END, 1)[1]
-    block = f"{BEGIN}\nWritten by `{command}` (every figure below comes from that grid's cells).\n\n{body}\n{END}"
+    block = f"{begin}\nWritten by `{command}` (every figure below comes from that grid's cells).\n\n{body}\n{END}"
     return write_text(doc, head + block + tail, "the results page")

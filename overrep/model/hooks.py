@@ -65,17 +65,20 @@ def capture_layer_context(model: nn.Module, seq_len: int) -> list[dict]:
 
 
 @torch.no_grad()
-def teacher_features(model: nn.Module, input_ids: torch.Tensor, groups: list[RecoveryGroup]) -> list[dict]:
+def teacher_features(model: nn.Module, input_ids: torch.Tensor, groups: list[RecoveryGroup],
+                     inputs_only: bool = False) -> list[dict]:
     """Run the *dense* model and return, per group, ``{"inputs", "targets"}`` ``[B, T, H]``.
 
     ``inputs`` is the hidden state entering the group's first block, ``targets`` the output
     of its target block (after the final norm when the group owns it). The forward pass
-    stops as soon as the last needed tensor is captured.
+    stops as soon as the last needed tensor is captured: with ``inputs_only``, at the last
+    group's first block (``{"inputs"}`` alone, for a loss that reads no targets).
     """
     layers = decoder_layers(model)
     norm = final_norm(model)
     out: list[dict] = [{} for _ in groups]
     last_needed = max(g.target_layer for g in groups)
+    last_input = max(g.input_layer for g in groups)
     need_norm = any(g.final_norm for g in groups)
     handles = []
 
@@ -85,6 +88,8 @@ def teacher_features(model: nn.Module, input_ids: torch.Tensor, groups: list[Rec
             for gi, g in enumerate(groups):
                 if g.input_layer == i:
                     out[gi]["inputs"] = h.detach().clone()
+            if inputs_only and i == last_input:
+                raise StopForward
         return fn
 
     def post(i):

@@ -94,6 +94,9 @@ class StepCosts:
     #: more (a re-fit's view: :meth:`Deadline.steps_left`); 0: none
     live_row: float = 0.0
     cached: int = 0
+    #: a row read live pays this share of ``row`` (its ``inputs`` only: :attr:`Teacher.live_share
+    #: <overrep.recovery.teacher.Teacher.live_share>`)
+    live_share: float = 1.0
 
     def later_steps(self, total: int) -> int:
         """Steps of a ``total``-step run in the later phase (as ``Layerwise.set_total_steps`` places its switch)."""
@@ -212,12 +215,14 @@ class Deadline:
         """Steps that fit between ``now`` and the deadline after ``done`` steps when a step in
         the α > 0 phase takes ``seconds_per_step`` (the other phases scaled alike), the later
         phase held to one pass over ``rows`` (None: as planned), of which those past ``cached``
-        (None: none) are read live at the measured cost of a row's features; at least 1."""
+        (None: none) are read live at the measured cost of a row's features (its ``live_share``
+        of it); at least 1."""
         scale = seconds_per_step / (self.costs.anneal or self.costs.step)
         live = cached is not None and rows is not None and rows > cached
         costs = replace(self.costs, step=self.costs.step * scale, anneal=seconds_per_step, row=0.0,
                         later=self.costs.later * scale, max_rows=self.costs.max_rows if rows is None else rows,
-                        live_row=self.costs.row * scale if live else 0.0, cached=cached or 0)
+                        live_row=self.costs.row * self.costs.live_share * scale if live else 0.0,
+                        cached=cached or 0)
         return fit_steps(0.99 * (self.at - now), costs, self.eval_every, self.checkpoint_every, done) - done
 
 
@@ -282,7 +287,8 @@ def refit_late_phase(trainer, phase: str, began: tuple[str, int, bool] | None, s
         # the phase's steps past its cached rows also compute their rows' features (live)
         cached_left = max(0, trainer.phase_start(trainer.step) + trainer.steps_per_epoch - trainer.step) \
             if trainer.live_rows else 0
-        more = trainer.per_step * trainer.deadline.costs.row if cached_left else 0.0
+        costs = trainer.deadline.costs
+        more = trainer.per_step * costs.row * costs.live_share if cached_left else 0.0
         fits = left // observed if left <= cached_left * observed else \
             cached_left + (left - cached_left * observed) // (observed + more)
         fits = max(1, int(fits))

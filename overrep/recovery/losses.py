@@ -254,8 +254,9 @@ class Loss:
     the training text itself, so a row it sees twice is partly memorised; a time budget then
     caches enough rows for each step of it to see new ones (:func:`fresh_share`). ``live``: its
     per-row extras exist for every row of the data (the next-token loss's are the row's own
-    tokens), so as an ``A>B`` loss's later phase it may read rows past the feature cache, their
-    features computed when read (:meth:`Teacher.features <overrep.recovery.teacher.Teacher.features>`)."""
+    tokens) and it reads no ``targets``, so as an ``A>B`` loss's later phase it may read rows past
+    the feature cache, their ``inputs`` computed when read (:meth:`Teacher.features
+    <overrep.recovery.teacher.Teacher.features>`)."""
 
     name: str
     description: str

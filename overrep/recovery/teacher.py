@@ -75,19 +75,32 @@ class Teacher:
             self.train_ids = self.train_ids[:n]
             self.fingerprint = {**self.fingerprint, "rows": n}
 
-    def batch(self, ids: torch.Tensor) -> list[dict]:
+    def batch(self, ids: torch.Tensor, inputs_only: bool = False) -> list[dict]:
         """Features of ``ids`` for every recovery group, ``TEACHER_BATCH`` rows at a time,
         in the training's precision (bf16 autocast computes them 2.7x faster on an AVX512-BF16
-        CPU, within 1% of the fp32 features: docs/speed.md); stored as ``dtype``."""
+        CPU, within 1% of the fp32 features: docs/speed.md); stored as ``dtype``. With
+        ``inputs_only``, the ``inputs`` alone, from the blocks before the groups (a streamed
+        teacher computes both)."""
         groups = self.plan.groups
         device = input_device(self.dense)  # where it computes (a placed model's weights may sit on "meta")
         with autocast(self.precision, device):
             if self.stream_from is not None:
                 return stream_features(self.stream_from, ids.cpu(), groups, dtype=self.dense.dtype,
                                        batch=TEACHER_BATCH, outside_from=self.dense, device=device)
-            parts = [teacher_features(self.dense, ids[i:i + TEACHER_BATCH], groups)
+            parts = [teacher_features(self.dense, ids[i:i + TEACHER_BATCH], groups, inputs_only)
                      for i in range(0, ids.shape[0], TEACHER_BATCH)]
-        return [{k: torch.cat([p[g][k] for p in parts]) for k in ("inputs", "targets")} for g in range(len(groups))]
+        keys = ("inputs",) if inputs_only else ("inputs", "targets")
+        return [{k: torch.cat([p[g][k] for p in parts]) for k in keys} for g in range(len(groups))]
+
+    @property
+    def live_share(self) -> float:
+        """What a row's ``inputs`` alone cost against its whole features: the share of the
+        dense blocks they run (a row read past the cache by a loss without targets pays this)."""
+        if self.stream_from is not None:
+            return 1.0
+        groups = self.plan.groups
+        whole = max(g.target_layer for g in groups) + 1
+        return max(1, max(g.input_layer for g in groups)) / whole
 
     @property
     def cache_path(self) -> Path:
@@ -99,7 +112,10 @@ class Teacher:
         From the disk cache, a row index past the cached rows (``train_ids``) reads row
         ``all_ids[i]`` with its features computed now, at the cost a cached row paid once: a
         one-pass later phase whose step count the budget's re-fits raised past the rows the
-        first plan cached reads on (``Objective.live_rows``) instead of reading rows twice."""
+        first plan cached reads on (``Objective.live_rows``) instead of reading rows twice. Such
+        a row has its ``inputs`` only (:attr:`Loss.live <overrep.recovery.losses.Loss.live>`: the
+        phase's loss reads no targets), which the blocks before the groups compute
+        (:attr:`live_share` of the cost)."""
         groups = self.plan.groups
         if self.mode == "probe":
             return self._probe(PROBE_ROWS)
@@ -124,8 +140,8 @@ class Teacher:
         return self._past_cache(cached)
 
     def _past_cache(self, cached: FeatureSource) -> FeatureSource:
-        """``cached`` for the cached rows' indices; rows past them computed when read, stored
-        as the cache stores them."""
+        """``cached`` for the cached rows' indices; rows past them computed when read (their
+        ``inputs``), stored as the cache stores them."""
         n, dtype = self.train_ids.shape[0], FEATURE_DTYPES[self.dtype]
 
         def source(idx: list[int]) -> list[dict]:
@@ -134,7 +150,8 @@ class Teacher:
             if max(idx) >= self.all_ids.shape[0]:
                 raise IndexError(f"training row {max(idx)} requested; the data holds {self.all_ids.shape[0]}")
             t0 = time.perf_counter()
-            live = [{k: v.to("cpu", dtype) for k, v in f.items()} for f in self.batch(self.all_ids[idx])]
+            feats = self.batch(self.all_ids[idx], inputs_only=True)
+            live = [{k: v.to("cpu", dtype) for k, v in f.items()} for f in feats]
             self.live_seconds += time.perf_counter() - t0
             self.live_rows_read += len(idx)
             return live

@@ -3,11 +3,10 @@
 The loss comes from an :mod:`objective <overrep.recovery.objectives>` (layer-wise MSE for OverRep,
 language modelling or logit distillation for the baselines); everything else is shared.
 
-Optimiser: AdamW (betas 0.9/0.95). Weight decay only on pretrained matrices: W is
-decayed towards 0 by nothing and D is never pulled towards 0 (the reference code decays
-D towards 0, away from its identity initialisation). Learning rate: linear warm-up,
-cosine to ``lr * min_lr_ratio``. The annealed activation follows its own schedule
-(:mod:`overrep.core.schedule`), stepped here.
+Optimiser: AdamW (betas 0.9/0.95), weight decay only on pretrained matrices (D is never pulled
+towards 0, away from its identity initialisation, as the reference code does). Learning rate:
+linear warm-up, cosine to ``lr * min_lr_ratio``; the annealed activation's schedule
+(:mod:`overrep.core.schedule`) is stepped here.
 
 Resume is exact: the batch order is a pure function of (seed, epoch), and a checkpoint
 holds the trainable tensors, the optimiser, the step and the history, so a run killed
@@ -126,9 +125,10 @@ class Trainer:
         self.flops_per_step: float | None = None  # counted after training (count_flops)
         self.stopped_at: int | None = None  # a budgeted run stopped at its deadline before its planned last step
         self.score_start = False  # a warm start: its closed form (step 0) is a keep_best candidate too
-        # a budgeted run's clock: when its budget began in this process (perf_counter), and the budget
-        # seconds earlier processes spent up to the checkpoint this one resumed from
+        # a budgeted run's clock: when its budget began in this process and when its training ended
+        # (perf_counter), and the budget seconds earlier processes spent up to the checkpoint resumed from
         self.budget_clock: float | None = None
+        self.trained_at: float | None = None
         self.budget_seconds_before: float = 0.0
         self.resumed_from: int | None = None
         self.set_total(total_steps)
@@ -141,8 +141,7 @@ class Trainer:
     def set_total(self, total: int) -> None:
         """Train for ``total`` steps (fewer where the objective allows no more): the α
         schedule, the learning rate and the objective's own phases all follow."""
-        total = self.capped(total)
-        self.total = total
+        self.total = total = self.capped(total)
         schedule = AlphaSchedule(total, self.cfg.alpha_warmup_ratio, self.cfg.alpha_linear_ratio)
         for a in self.objective.activations:
             a.set_schedule(schedule)
@@ -183,8 +182,7 @@ class Trainer:
         state = {"step": self.step, "total_steps": self.total, "fingerprint": self.fingerprint,
                  "trainable": trainable, "optimizer": optimizer, **keep,
                  "history": self.history, "seconds": self.seconds, "eval_every": self.eval_every,
-                 "budget_seconds": self.budget_seconds_used(),
-                 "rng": torch.get_rng_state(),
+                 "budget_seconds": self.budget_seconds_used(), "rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         save_torch(path, state, "checkpoint")
         for old in sorted(self.ckpt_dir.glob("step-*.pt"))[:-2]:  # keep the two newest
@@ -192,12 +190,13 @@ class Trainer:
         return path
 
     def budget_seconds_used(self) -> float | None:
-        """A budgeted run's seconds so far, over every process that trained it: what the
-        processes before a resume spent up to their checkpoint, plus this process's since its
-        budget began (None: no budget clock)."""
+        """A budgeted run's seconds, over every process that trained it: those before a resume
+        (up to their checkpoint) plus this process's since its budget began, until training
+        ended (the FLOP count after it is bookkeeping; None: no budget clock)."""
         if self.budget_clock is None:
             return None
-        return self.budget_seconds_before + time.perf_counter() - self.budget_clock
+        end = time.perf_counter() if self.trained_at is None else self.trained_at
+        return self.budget_seconds_before + end - self.budget_clock
 
     def resume(self) -> bool:
         """Load the newest checkpoint if there is one; returns whether it did."""
@@ -366,6 +365,7 @@ class Trainer:
         self.restore_best()
         for a in obj.activations:
             a.set_step(self.total)
+        self.trained_at = time.perf_counter()
         self.flops_per_step = self.count_flops() if self.step > 0 else None
         obj.train(False)
         tokens = self.tokens_per_sample * self.per_step * len(self.history)
