@@ -183,11 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--collect-only", action="store_true", help="run no cell: tables from the finished ones, the "
                                                                 "others listed as not run")
     c.add_argument("--into", metavar="DOC", help="also write the tables into DOC (a markdown page), between its "
-                                                 "'<!-- compare: results -->' and '<!-- /compare -->' lines, and "
-                                                 "the plots beside it (img/)")
-    c.add_argument("--section", default="results", help="--into: the block to write, between "
-                                                        "'<!-- compare: SECTION -->' and the next '<!-- /compare -->' "
-                                                        "(default: results)")
+                                                 "'<!-- compare: SECTION -->' line and the next '<!-- /compare -->', "
+                                                 "and the plots beside it (img/)")
+    c.add_argument("--section", default="results", help="--into: the page's block to write (default: results)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 

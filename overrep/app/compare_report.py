@@ -411,18 +411,13 @@ def write_compare_report(out: Path, results: dict) -> Path:
 END = "<!-- /compare -->"
 
 
-def begin_marker(section: str = "results") -> str:
-    """The line that opens a page's block of grid tables; a page can hold several grids'
-    blocks, each under its own name (``--section``)."""
-    return f"<!-- compare: {section} -->"
-
-
 def page_block(doc: Path, section: str = "results") -> tuple[str, str]:
-    """``doc``'s text and the opening line of its ``section``, or the error that says why the
-    grid's tables cannot go there (checked before a grid runs, and again when it writes)."""
+    """``doc``'s text and the line that opens its ``section``'s block of grid tables (a page can
+    hold several grids' blocks, each under its own name), or the error that says why the grid's
+    tables cannot go there (checked before a grid runs, and again when it writes)."""
     if not re.fullmatch(r"[\w.-]+", section):
         raise OverRepError(f"--section {section!r}: letters, digits, '.', '-' and '_' only")
-    begin = begin_marker(section)
+    begin = f"<!-- compare: {section} -->"
     text = doc.read_text() if doc.is_file() else ""
     if begin not in text or END not in text.split(begin, 1)[1]:
         raise OverRepError(f"{doc}: no '{begin}' ... '{END}' lines to write the tables between")
