@@ -179,6 +179,33 @@ def test_ce_is_the_pruned_models_next_token_loss(assets, tmp_path):
     assert got == pytest.approx(math.log(perplexity(pipe.pruned, pipe.val_ids, progress=False)), rel=1e-4)
 
 
+def test_ce_once_is_the_pruned_models_loss_and_trains_every_module_on_a_mask_of_several_runs(assets, tmp_path):
+    """With two removed runs, ``loss_tail: once`` is the whole pruned model's next-token loss (the
+    first module's tail runs the second module), its gradient reaches both modules, and ``each``
+    (every module from the dense model's state at its input) is another loss."""
+    from overrep.model.perplexity import perplexity
+
+    got = {}
+    for tail in ("each", "once"):
+        cfg = tiny_cfg(assets, tmp_path / tail, recovery__steps=2, recovery__loss="ce", recovery__loss_tail=tail,
+                       recovery__final_block=False, prune__remove="1,4")
+        pipe = Pipeline(cfg, progress=False)
+        pipe.load(create_output=False)
+        pipe.prune()
+        pipe.build_recovery()
+        objective = pipe.recovery.objective
+        assert len(objective.modules) == 2
+        got[tail] = objective.validation_loss()
+        if tail == "once":
+            assert got[tail] == pytest.approx(math.log(perplexity(pipe.pruned, pipe.val_ids, progress=False)), rel=1e-4)
+            objective.loss([0, 1]).backward()
+            for m in objective.modules:
+                assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters() if p.requires_grad)
+    assert got["each"] != pytest.approx(got["once"], rel=1e-4)
+    with pytest.raises(OverRepError, match="loss_tail"):
+        tiny_cfg(assets, tmp_path / "bad", recovery__loss_tail="twice").recovery.check_loss()
+
+
 def test_ce_plus_kl_mixes_the_text_and_the_teacher_on_one_pass_of_the_tail(assets, tmp_path):
     """``ce+kl`` is ``(1 - w)·ce + w·kl-topk`` on the same rows: at w = 0 it is ``ce``, at w = 1
     ``kl-topk``, and between them their mix."""

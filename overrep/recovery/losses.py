@@ -39,6 +39,10 @@ entry at the end of this file.
   model's own predictions (knowledge distillation with hard labels, as in Hinton et al.'s
   distillation loss). The text's tokens teach what the training domains do differently; the
   teacher's distribution keeps what the dense model knows beyond them (docs/losses.md).
+* ``recovery.loss_tail`` -- where a mask removes several runs, ``kl-topk``, ``ce`` and ``ce+kl`` run
+  each module from the dense model's state at its input through its own tail (``each``: one tail
+  pass per module a step), or the first module through the rest of the pruned model, later
+  modules included (``once``: one pass a step, the deployed model's own loss from the first gap).
 * ``A>B`` (e.g. ``normed>kl-topk``) -- loss A, then loss B from ``recovery.loss_switch``
   (fraction of the steps) on.
 
@@ -85,9 +89,12 @@ class LossOptions:
     loss_topk: int = 64  # kl-topk, ce+kl: teacher log-probabilities cached per token
     loss_topk_rest: bool = True  # kl-topk: add one bucket for all tokens outside the top-K (else renormalise on it)
     fisher_sequences: int = 32  # fisher: training rows the diagonal Fisher is estimated on
+    loss_tail: str = "each"  # kl-topk, ce, ce+kl on a mask with several runs: each (every module from the dense model's state at its input, through its own tail) | once (the first module through the rest of the pruned model, later modules included: one tail pass a step)
 
     def check_loss(self) -> None:
         parse_loss(self.loss)
+        if self.loss_tail not in ("each", "once"):
+            raise OverRepError(f"recovery.loss_tail must be 'each' or 'once', not '{self.loss_tail}'")
         if (self.loss_lambda < 0 or self.loss_sinks < 0 or not 0 <= self.loss_switch <= 1 or self.loss_topk < 1
                 or self.fisher_sequences < 1 or not 0 <= self.loss_kd <= 1):
             raise OverRepError("recovery.loss_lambda and loss_sinks must be >= 0, loss_switch and loss_kd in [0, 1], "
@@ -256,7 +263,9 @@ class Loss:
     per-row extras exist for every row of the data (the next-token loss's are the row's own
     tokens) and it reads no ``targets``, so as an ``A>B`` loss's later phase it may read rows past
     the feature cache, their ``inputs`` computed when read (:meth:`Teacher.features
-    <overrep.recovery.teacher.Teacher.features>`)."""
+    <overrep.recovery.teacher.Teacher.features>`). ``tail``: it runs the module's output through the
+    rest of the pruned model (:class:`Tail`), so with ``loss_tail: once`` the first module's loss
+    alone trains every module (its tail runs the later ones)."""
 
     name: str
     description: str
@@ -265,6 +274,7 @@ class Loss:
     rows: Callable[[LossSetup], tuple[dict, dict]] | None = field(default=None)
     fresh: bool = False
     live: bool = False
+    tail: bool = False
 
 
 def fresh_share(spec: str, switch: float) -> float:
@@ -382,11 +392,11 @@ for _loss in [
          lambda pred, feats, aux, options: logit_loss(pred.float(), _target(pred, feats), aux["gram"]),
          _logit_prepare),
     Loss("kl-topk", "KL to the dense model's cached top-K logits, through the remaining frozen blocks", _kl_topk,
-         _tails, _kl_topk_rows),
+         _tails, _kl_topk_rows, tail=True),
     Loss("ce", "next-token cross-entropy on the training text, through the remaining frozen blocks", _ce, _tails,
-         _ce_rows, fresh=True, live=True),
+         _ce_rows, fresh=True, live=True, tail=True),
     Loss("ce+kl", "(1 - loss_kd) * ce + loss_kd * kl-topk: the text's next tokens held towards the dense model's "
-         "predictions, one pass of the frozen tail", _ce_kl, _tails, _ce_kl_rows, fresh=True),
+         "predictions, one pass of the frozen tail", _ce_kl, _tails, _ce_kl_rows, fresh=True, tail=True),
 ]:
     LOSSES.register(_loss)
 

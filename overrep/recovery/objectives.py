@@ -206,8 +206,11 @@ class Layerwise(Objective):
 
     def batch_loss(self, batch: list[dict]) -> torch.Tensor:
         loss = LOSSES[self.current()]
-        losses = []
-        for m, ctx, feats, aux in zip(self.modules, self.contexts, batch, self.aux):
+        losses, parts = [], list(zip(self.modules, self.contexts, batch, self.aux))
+        if loss.tail and self.options.loss_tail == "once" and len(parts) > 1:
+            # the first module's tail runs every later one: the pruned model's own loss from its first gap on
+            parts = [min(parts, key=lambda part: part[0].compact_indices[0])]
+        for m, ctx, feats, aux in parts:
             p = next(m.parameters())
             pred = m(feats["inputs"].to(p.device, p.dtype), ctx)
             losses.append(loss.compute(pred, feats, aux, self.options))
