@@ -16,6 +16,16 @@ class MergeRefused(OverRepError):
     yet the identity (the fold is exact only at alpha = 0)."""
 
 
+class WarmStartTooShort(OverRepError):
+    """A time budget leaves a warm start fewer optimiser steps than its floor. Under
+    ``recovery.warm_start: auto`` the run starts cold instead; a warm start asked for by name
+    stops with this message. ``why``: the shortfall in a few words, for ``metrics.json``."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
 def first_line(error: BaseException) -> str:
     """The first non-empty line of an exception's message (library errors span many lines)."""
     for line in str(error).splitlines():

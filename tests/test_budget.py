@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import replace
 
@@ -54,6 +55,43 @@ def test_a_budget_that_leaves_too_few_steps_is_refused_before_training(assets, t
     ok = tiny_cfg(assets, tmp_path / "ok", eval__perplexity=False, eval__latency=False, recovery__steps=None,
                   recovery__time_budget="20s", recovery__warm_start="replaceme", recovery__budget_min_steps=1)
     assert Pipeline(ok, progress=False).run()["train_steps"] >= 1
+
+
+def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(assets, tmp_path, monkeypatch):
+    """``recovery.warm_start: auto`` where the budget leaves the warm start fewer steps than its
+    floor trains the cold start instead (a warm start asked for by name is refused, above): the
+    cold start's plan, its stitched unrecovered model scored as a cold run scores it, the reason
+    in metrics.json; a --resume of that run resumes the cold start."""
+    import overrep.app.budgeting as budgeting
+    from overrep.app.pipeline import RESUMED_COLD
+    from overrep.recovery.trainer import Trainer
+
+    monkeypatch.setattr(budgeting, "MIN_WARM_BUDGET_STEPS", 100)
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(1.0, 0.0, 0.0))  # ~15 steps fit in 20 s
+
+    def cfg(name, **over):
+        over = {"recovery__steps": None, "recovery__time_budget": "20s", **over}
+        return tiny_cfg(assets, tmp_path / name, eval__latency=False, eval__domains="", recovery__closed_rows=8,
+                        prune__remove="2-3", **over)
+
+    auto = Pipeline(cfg("auto"), progress=False).run()
+    assert auto["warm_start"]["setting"] == "auto" and auto["warm_start"]["used"] == "none"
+    assert re.search(r"leaves the warm start \d+ of the 100 optimiser steps it needs \(about \d+ s here\)", auto["warm_start"]["why"])
+    assert auto["train_steps"] >= 3
+    cold = Pipeline(cfg("cold", recovery__warm_start="none"), progress=False).run()
+    assert json.loads((tmp_path / "auto" / "plan.json").read_text()) == json.loads(
+        (tmp_path / "cold" / "plan.json").read_text())
+    assert auto["recovery_modules"] == cold["recovery_modules"]
+    assert auto["pruned_ppl"] == cold["pruned_ppl"]  # the stitched block, not the warm layout's retained one
+    warm = Pipeline(cfg("warm", recovery__time_budget=None, recovery__steps=2), progress=False).run()  # no budget: warm
+    assert warm["warm_start"]["used"] == "replaceme" and warm["pruned_ppl"] != auto["pruned_ppl"]
+    assert "of the 100 optimiser steps it needs" in (tmp_path / "auto" / "report.md").read_text()
+    # killed while training cold, resumed: the run's own plan (the cold one), not the warm start's
+    again = cfg("again")
+    run_killed_at(monkeypatch, again, 2)
+    resumed = Pipeline(again, resume=True, progress=False).run()
+    assert resumed["warm_start"] == {"setting": "auto", "used": "none", "preset": "hybrid", "why": RESUMED_COLD}
+    assert resumed["recovery_modules"] == cold["recovery_modules"]
 
 
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("20m", 1200), ("1.5h", 5400), ("300", 300), (45, 45),

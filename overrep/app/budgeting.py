@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from ..distributed import World
-from ..errors import OverRepError
+from ..errors import OverRepError, WarmStartTooShort
 from ..model.arch import decoder_layers
 from ..model.flops import blocks_macs
 from ..recovery.budget import StepCosts, fit_steps, parse_duration, spread, validation_plan
@@ -204,14 +204,16 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         if total < floor:  # e.g. a 1-minute warm start on a 2-core CPU: measured far worse than no training
             needed = budget - left + (costs.run_seconds(floor, 0, r.checkpoint_every)
                                       + scored * costs.validation) / 0.97
-            raise OverRepError(f"recovery.time_budget {asked} leaves {method.name} {total} optimiser step(s) "
-                               f"on this machine after its set-up; at least {floor} are needed"
-                               f"{' from a warm start' if warm else ''} (about "
-                               f"{needed:.0f} s here; recovery.budget_min_steps sets the floor), "
-                               # a cold start sets no map up and keeps no closed form to score: on a 2-core CPU,
-                               # a minute's default run is refused warm and beats the closed form cold (docs/results.md)
-                               + ("start cold (--set recovery.warm_start=none) " if warm else "")
-                               + "or use a closed form such as --method replaceme, which trains nothing")
+            short = f"{total} optimiser step(s) on this machine after its set-up; at least {floor} are needed"
+            message = (f"recovery.time_budget {asked} leaves {method.name} {short}{' from a warm start' if warm else ''}"
+                       f" (about {needed:.0f} s here; recovery.budget_min_steps sets the floor), "
+                       # a cold start sets no map up and keeps no closed form to score: on a 2-core CPU,
+                       # a minute's default run is refused warm and beats the closed form cold (docs/results.md)
+                       + ("start cold (--set recovery.warm_start=none) " if warm else "")
+                       + "or use a closed form such as --method replaceme, which trains nothing")
+            if not warm:
+                raise OverRepError(message)
+            raise WarmStartTooShort(message, why=f"{total} of the {floor} optimiser steps it needs (about {needed:.0f} s here)")
         eval_every = info["eval_every"] = spread(total, validations)
         later = f" ({costs.later_steps(total)} of them at {costs.later:.2f} s)" if costs.later_share else ""
         log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps%s on "

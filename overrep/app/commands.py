@@ -324,8 +324,9 @@ def cmd_methods(args) -> int:
     auto = ", ".join(n for n, m in METHODS.items() if m.auto_warm_start)
     print(f"before a method starts: recovery.compensate {' | '.join(COMPENSATE)} (prunecomp: Prune&Comp's scale at "
           f"each gap, folded exactly); recovery.warm_start {' | '.join(WARM_STARTS)} (any method that trains) | {AUTO} "
-          f"(replaceme for {auto} where the fit applies, else none; overrep then trains hybrid-linear and, on a "
-          "mask of one run with two blocks after it, block 1 retained with three blocks)")
+          f"(replaceme for {auto} where the fit applies and a time budget leaves it 20 steps, else none; overrep "
+          "then trains hybrid-linear and, on a mask of one run with two blocks after it, block 1 retained with three "
+          "blocks)")
     print("pruning criteria (prune.criterion):")
     for name, c in CRITERIA.items():
         print(f"  {name:16s} {c.description}")

@@ -83,7 +83,7 @@ class ClosedFormOptions:
     """The ``recovery`` keys of the closed forms (docs/closed-forms.md)."""
 
     compensate: str = "none"  # any method but the layer-wise ones: "prunecomp" scales the stream before each gap by mean|X_after|/mean|X_before| (Prune&Comp, folded exactly) before the method starts | "none"
-    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear; on a one-run mask with two blocks after the run, block 1 retained and, where blocks is auto, three blocks) where the fit applies, else none (metrics.json says why) | any method that trains: "replaceme" | "replaceme-cos" folds the closed-form map into the down_proj before each removed run before training (a layer-wise module's block 1) | "none": a cold start
+    warm_start: str = "auto"  # "auto": replaceme for overrep (its preset hybrid trained as hybrid-linear; on a one-run mask with two blocks after the run, block 1 retained and, where blocks is auto, three blocks) where the fit applies and a time budget leaves it 20 steps, else none (metrics.json says why) | any method that trains: "replaceme" | "replaceme-cos" folds the closed-form map into the down_proj before each removed run before training (a layer-wise module's block 1) | "none": a cold start
     closed_rows: int = 64  # training rows the closed forms are fitted on (streamed; never validation or test rows)
     closed_tokens: str = "balanced"  # tokens the fit counts: "balanced" (every token; the attention sinks, the first token and any with RMS > 10x the row's median, weighted to count 3x the other tokens together) | "all" (the published fit) | a +-joined subset of skip-first | sinks (the sinks left out) | rms (each row divided by the target's RMS); chosen on validation rows over four samples of calibration rows, docs/closed-forms.md
     closed_ridge: float = 1e-4  # least squares: ridge, relative to the mean diagonal of M^T M (the published fit: 0)
@@ -116,17 +116,22 @@ def fit_options(r) -> FitOptions:
                       cos_lr=r.closed_cos_lr, cos_seconds=r.closed_cos_seconds, precision=r.precision)
 
 
-def resolve_warm_start(r, method: Method, model, removed: list[int] | None, probe) -> tuple[object, dict]:
+def resolve_warm_start(r, method: Method, model, removed: list[int] | None, probe,
+                       cold_because: str | None = None) -> tuple[object, dict]:
     """``r`` (the ``recovery`` section) with ``warm_start`` and ``preset`` made concrete before
     the recovery is planned, and its record for ``metrics.json`` (what ``auto`` chose and why).
     ``model``: the dense model; ``removed``: its removed blocks (None: width pruning);
-    ``probe``: a training row or two for :func:`~overrep.recovery.closed_form.fold_blocker`."""
+    ``probe``: a training row or two for :func:`~overrep.recovery.closed_form.fold_blocker`;
+    ``cold_because``: why ``auto`` starts cold whatever the mask (a time budget that left the
+    warm start fewer steps than its floor: :meth:`~overrep.app.pipeline.Pipeline.start_cold`)."""
     if r.warm_start != AUTO:
         if r.warm_start != "none" and removed is None:  # (prepare would fold nothing and say it had)
             raise OverRepError(f"recovery.warm_start: {r.warm_start} folds a map over each removed run of blocks; "
                                "width pruning removes none (use recovery.warm_start: none or auto)")
         return r, {"setting": r.warm_start, "used": r.warm_start}
-    if not method.auto_warm_start:
+    if cold_because is not None:
+        used, why = "none", cold_because
+    elif not method.auto_warm_start:
         used, why = "none", (f"{method.name} is not measured to gain from it (recovery.warm_start: replaceme starts "
                              "it warm)")
     elif removed is None:
