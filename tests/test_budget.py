@@ -63,7 +63,7 @@ def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(as
     cold start's plan, its stitched unrecovered model scored as a cold run scores it, the reason
     in metrics.json; a --resume of that run resumes the cold start."""
     import overrep.app.budgeting as budgeting
-    from overrep.app.pipeline import RESUMED_COLD
+    from overrep.app.warm_start import RESUMED_COLD
     from overrep.recovery.trainer import Trainer
 
     monkeypatch.setattr(budgeting, "MIN_WARM_BUDGET_STEPS", 100)
@@ -92,6 +92,11 @@ def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(as
     resumed = Pipeline(again, resume=True, progress=False).run()
     assert resumed["warm_start"] == {"setting": "auto", "used": "none", "preset": "hybrid", "why": RESUMED_COLD}
     assert resumed["recovery_modules"] == cold["recovery_modules"]
+    # a budget too short for the cold start too: its refusal says the warm start was tried first
+    monkeypatch.setattr(budgeting, "MIN_BUDGET_STEPS", 100)
+    with pytest.raises(OverRepError, match=r"at least 100 are needed .*tried the warm start first: \d+ of the 100"):
+        Pipeline(cfg("neither"), progress=False).run()
+    assert not (tmp_path / "neither" / "metrics.json").exists()
 
 
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("20m", 1200), ("1.5h", 5400), ("300", 300), (45, 45),

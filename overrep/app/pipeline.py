@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
@@ -24,11 +22,10 @@ import torch
 
 from .. import __version__
 from ..atomic import write_json
-from ..core.precision import resolve_model_dtype, resolve_precision
+from ..core.precision import resolve_model_dtype
 from ..data.text import token_splits
 from ..eval.figures import eval_data
 from ..eval.heldout import unseen_domain_rows
-from ..model.prefix import SharedPrefix, first_changed_block
 from ..model.accounting import blocks_for_ratio, pruning_account
 from ..model.arch import check_supported, decoder_layers
 from ..model.loading import load_model
@@ -36,14 +33,10 @@ from ..model import onload
 from ..model.placement import is_placed, placed_copy, teacher_placement
 from ..model.runtime import check_finite, digest, model_fingerprint, peak_memory_bytes, resolve_device
 from ..model.surgery import parse_layers, plan_pruning, prune
-from ..model.presets import get_preset
-from ..model.wrap import plan_recovery
 from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION, Selection
 from ..recovery.budget import Deadline
-from ..errors import OverRepError, WarmStartTooShort
-from ..recovery.methods import build_recovery, get_method, prepare_closed_form, resolve_warm_start
-from ..recovery.methods.closed_form import AUTO
+from ..recovery.methods import build_recovery, get_method, prepare_closed_form
 from ..recovery.teacher import MethodInputs, Teacher
 from ..recovery.sharding import gather, shard_objective
 from ..recovery.trainer import Trainer
@@ -55,11 +48,9 @@ from .export import export_checked, export_model
 from .outdir import RunFolder
 from .runinfo import environment, how_it_ran
 from .scoring import score_model
+from . import warm_start
 
 log = logging.getLogger(__name__)
-
-#: why a resumed run of ``recovery.warm_start: auto`` starts cold (:meth:`Pipeline.resumes_cold_start`)
-RESUMED_COLD = "the run it resumes started cold (its time budget had left the warm start too few steps)"
 
 
 class Pipeline:
@@ -166,9 +157,9 @@ class Pipeline:
             seq_len=d.seq_len, rows=cfg.eval.domain_sequences, seed=d.seed), cfg.eval)
         self.timings["data"] = time.perf_counter() - t0
         self.select_widths() if self.width else self.select_blocks()
-        self.resolve_recovery()
-        if self.resume and self.auto_warm and self.saved_plan() not in (None, self.plan.to_dict()):
-            self.resolve_recovery(cold_because=RESUMED_COLD)  # start_cold wrote the cold start's plan
+        warm_start.resolve(self)  # the plan, the resolved recovery section and the teacher follow from it
+        if warm_start.resumes_cold(self):
+            warm_start.resolve(self, cold_because=warm_start.RESUMED_COLD)
         if not create_output or not self.world.is_main:
             return
         # the output folder is touched only once model, plan and data are known good (a typo changes nothing)
@@ -177,49 +168,6 @@ class Pipeline:
         self.folder.open()
         self.cfg.save(self.out / "config.yaml")
         write_json(self.out / "plan.json", self.plan.to_dict(), "the pruning plan")
-
-    def resolve_recovery(self, cold_because: str | None = None) -> None:
-        """``recovery.warm_start`` resolved (:func:`resolve_warm_start`; ``cold_because``: why
-        ``auto`` starts cold whatever the mask), then what follows from it: the recovery plan
-        (the warm start has its own layout), the blocks every model shares, the resolved
-        ``recovery`` section, the step count and the teacher."""
-        r, self.metrics["warm_start"] = resolve_warm_start(
-            self.cfg.recovery, self.method, self.dense, None if self.width else self.selection.removed,
-            self.train_ids[:2], cold_because=cold_because)
-        if not self.width:
-            self.plan = plan_recovery(self.dense, self.selection.removed, get_preset(r.preset_name),
-                                      blocks=r.blocks_per_run, block1_init=r.block1_init,
-                                      final_block=r.final_block, keep=self.selection.replaced)
-        self.shared_prefix = SharedPrefix(self.dense, 0 if self.width else first_changed_block(self.plan))
-        lr = r.lr if r.lr is not None else self.method.default_lr
-        self.rcfg = dataclasses.replace(r, lr=lr, warmup_steps=r.resolved_warmup_steps,
-                                        precision=resolve_precision(r.precision, self.device))
-        self.total_steps = self.cfg.total_steps()
-        self.teacher = self.make_teacher()
-
-    #: ``recovery.warm_start: auto`` resolved to a warm start (which :meth:`start_cold` may take back)
-    auto_warm = property(lambda self: self.metrics["warm_start"]["setting"] == AUTO
-                         and self.metrics["warm_start"]["used"] != "none")
-
-    def saved_plan(self) -> dict | None:
-        """The plan in the run folder (``--resume``), None where there is none."""
-        path = self.out / "plan.json"
-        try:
-            return json.loads(path.read_text()) if path.exists() else None
-        except (OSError, ValueError) as e:
-            raise OverRepError(f"cannot read {path} ({e}): the run folder is damaged") from None
-
-    def start_cold(self, refused: WarmStartTooShort) -> None:
-        """``recovery.warm_start: auto`` where the time budget leaves the warm start fewer steps
-        than its floor: plan the cold start instead, prune the model again (the map was folded
-        into the other one, whose block 1 was also the retained block rather than the stitched
-        one), and score that unrecovered model anew, as a cold run of the mask would have."""
-        self.resolve_recovery(cold_because=f"the time budget leaves the warm start {refused.why}")  # (logged)
-        if self.world.is_main and self.folder is not None:
-            write_json(self.out / "plan.json", self.plan.to_dict(), "the pruning plan")
-        self.prune()
-        if "pruned" in self.eval_cost:
-            self.evaluate_model(self.pruned, "pruned")
 
     def select_blocks(self) -> None:
         """The blocks to remove: explicit (``prune.remove``) or chosen by ``prune.criterion``."""
@@ -297,21 +245,12 @@ class Pipeline:
         if r.time_budget is not None and r.steps is None and self.method.trains:  # (a closed form: no steps)
             seconds, limit = run_limit_budget(self) if with_data else (None, None)
 
-            def fit(started: float):
+            def fit(started: float, prepared: dict):
                 return fit_budget(self.method, self.method_inputs(), cache_mode=self.cfg.cache.mode, started=started,
                                   world=self.world, resumed_total=checkpointed_total(self.out) if self.resume
                                   else None, make_trainer=lambda objective: self.make_trainer(objective, False),
                                   measure=with_data, prepared=prepared, seconds=seconds)
-            try:
-                self.budget = fit(t0)
-            except WarmStartTooShort as refused:
-                if not self.auto_warm:  # a warm start asked for by name
-                    raise
-                spent = time.perf_counter() - t0  # the warm start's fit and probe: spent, so counted
-                self.start_cold(refused)
-                prepared = prepare_closed_form(self.method_inputs(), self.method)
-                self.recovery_started = t0 = time.perf_counter() - spent  # (not the unrecovered model's scoring)
-                self.budget = fit(t0)
+            self.budget, prepared = warm_start.fit_or_start_cold(self, fit, t0, prepared)  # auto: cold if too short
             if self.budget is not None and limit is not None:
                 self.budget.info["run_limit"] = limit
         if self.budget is not None:

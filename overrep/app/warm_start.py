@@ -1,0 +1,101 @@
+"""How a run starts: ``recovery.warm_start`` resolved into the plan it trains, and ``auto``'s
+fall-back to the cold start where a time budget leaves the warm start fewer steps than its floor.
+
+``auto`` decides warm or cold before the plan (:func:`~overrep.recovery.methods.resolve_warm_start`:
+the mask, the method, the architecture), but whether a time budget leaves the warm start its
+floor (:data:`~overrep.app.budgeting.MIN_WARM_BUDGET_STEPS`) is known only once its steps have
+been timed, after the map's fit. Where it does not, the run plans the cold start, prunes the
+model again (the map was folded into the warm layout's block 1, the retained block, where the
+cold start trains the stitched one), scores that unrecovered model as a cold run of the mask
+would (outside the budget), and fits the budget again with the warm start's seconds counted:
+they were spent. A ``--resume`` of such a run finds the cold start's plan in its ``plan.json``
+and starts cold again. A warm start asked for by name is refused instead (one line naming the
+cold start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Callable
+
+from ..atomic import write_json
+from ..core.precision import resolve_precision
+from ..errors import OverRepError, WarmStartTooShort
+from ..model.prefix import SharedPrefix, first_changed_block
+from ..model.presets import get_preset
+from ..model.wrap import plan_recovery
+from ..recovery.methods import prepare_closed_form, resolve_warm_start
+from ..recovery.methods.closed_form import AUTO
+
+#: why a resumed run of ``recovery.warm_start: auto`` starts cold (its plan.json is the cold start's)
+RESUMED_COLD = "the run it resumes started cold (its time budget had left the warm start too few steps)"
+
+
+def resolve(p, cold_because: str | None = None) -> None:
+    """Pipeline ``p``'s ``recovery.warm_start`` resolved (``cold_because``: why ``auto`` starts
+    cold whatever the mask), then what follows from it: the recovery plan (the warm start has
+    its own layout), the blocks every model shares, the resolved ``recovery`` section, the step
+    count and the teacher."""
+    r, p.metrics["warm_start"] = resolve_warm_start(
+        p.cfg.recovery, p.method, p.dense, None if p.width else p.selection.removed, p.train_ids[:2],
+        cold_because=cold_because)
+    if not p.width:
+        p.plan = plan_recovery(p.dense, p.selection.removed, get_preset(r.preset_name), blocks=r.blocks_per_run,
+                               block1_init=r.block1_init, final_block=r.final_block, keep=p.selection.replaced)
+    p.shared_prefix = SharedPrefix(p.dense, 0 if p.width else first_changed_block(p.plan))
+    lr = r.lr if r.lr is not None else p.method.default_lr
+    p.rcfg = dataclasses.replace(r, lr=lr, warmup_steps=r.resolved_warmup_steps,
+                                 precision=resolve_precision(r.precision, p.device))
+    p.total_steps = p.cfg.total_steps()
+    p.teacher = p.make_teacher()
+
+
+def auto_warm(p) -> bool:
+    """``recovery.warm_start: auto`` resolved to a warm start (which :func:`start_cold` may take back)."""
+    return p.metrics["warm_start"]["setting"] == AUTO and p.metrics["warm_start"]["used"] != "none"
+
+
+def resumes_cold(p) -> bool:
+    """``--resume`` of a run where ``auto`` fell back to the cold start: the run folder's plan
+    is not the warm start's (:func:`start_cold` wrote the cold start's)."""
+    if not (p.resume and auto_warm(p)):
+        return False
+    path = p.out / "plan.json"
+    try:
+        saved = json.loads(path.read_text()) if path.exists() else None
+    except (OSError, ValueError) as e:
+        raise OverRepError(f"cannot read {path} ({e}): the run folder is damaged") from None
+    return saved is not None and saved != p.plan.to_dict()
+
+
+def fit_or_start_cold(p, fit: Callable[[float, dict], object], started: float, prepared: dict):
+    """``fit(started, prepared)`` (the time budget's fit); where it leaves an ``auto`` warm
+    start too few steps, :func:`start_cold` and fit again, the seconds spent so far counted.
+    Returns the budget and what the closed-form preparation did to the model trained."""
+    try:
+        return fit(started, prepared), prepared
+    except WarmStartTooShort as refused:
+        if not auto_warm(p):  # a warm start asked for by name
+            raise
+        spent = time.perf_counter() - started  # the warm start's fit and probe
+        start_cold(p, refused)
+        prepared = prepare_closed_form(p.method_inputs(), p.method)
+        p.recovery_started = started = time.perf_counter() - spent  # (not the unrecovered model's scoring)
+        try:
+            return fit(started, prepared), prepared
+        except OverRepError as cold_refused:
+            raise OverRepError(f"{cold_refused} (recovery.warm_start auto tried the warm start first: "
+                               f"{refused.why})") from None
+
+
+def start_cold(p, refused: WarmStartTooShort) -> None:
+    """The cold start's plan instead of the warm start's, the model pruned again and, where the
+    run scored the unrecovered model, that model scored anew."""
+    resolve(p, cold_because=f"the time budget leaves the warm start {refused.why}")  # (logged)
+    if p.world.is_main and p.folder is not None:
+        write_json(p.out / "plan.json", p.plan.to_dict(), "the pruning plan")
+    p.prune()
+    if "pruned" in p.eval_cost:
+        p.evaluate_model(p.pruned, "pruned")
