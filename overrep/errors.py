@@ -19,11 +19,12 @@ class MergeRefused(OverRepError):
 class WarmStartTooShort(OverRepError):
     """A time budget leaves a warm start fewer optimiser steps than its floor. Under
     ``recovery.warm_start: auto`` the run starts cold instead; a warm start asked for by name
-    stops with this message. ``why``: the shortfall in a few words, for ``metrics.json``."""
+    stops with this message. ``why``: the shortfall in a few words, for ``metrics.json``;
+    ``timed``: the probe's figures, which the cold start reuses rather than time itself again."""
 
-    def __init__(self, message: str, why: str):
+    def __init__(self, message: str, why: str, timed: tuple | None = None):
         super().__init__(message)
-        self.why = why
+        self.why, self.timed = why, timed
 
 
 def first_line(error: BaseException) -> str:

@@ -67,7 +67,8 @@ def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(as
     from overrep.recovery.trainer import Trainer
 
     monkeypatch.setattr(budgeting, "MIN_WARM_BUDGET_STEPS", 100)
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(1.0, 0.0, 0.0))  # ~15 steps fit in 20 s
+    probes = []
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: probes.append(1) or StepCosts(1.0, 0.0, 0.0))  # ~15 steps in 20 s
 
     def cfg(name, **over):
         over = {"recovery__steps": None, "recovery__time_budget": "20s", **over}
@@ -78,6 +79,7 @@ def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(as
     assert auto["warm_start"]["setting"] == "auto" and auto["warm_start"]["used"] == "none"
     assert re.search(r"leaves the warm start \d+ of the 100 optimiser steps it needs \(about \d+ s here\)", auto["warm_start"]["why"])
     assert auto["train_steps"] >= 3
+    assert len(probes) == 1 and "warm start's probe" in auto["time_budget"]["timed_by"]  # not timed a second time
     cold = Pipeline(cfg("cold", recovery__warm_start="none"), progress=False).run()
     assert json.loads((tmp_path / "auto" / "plan.json").read_text()) == json.loads(
         (tmp_path / "cold" / "plan.json").read_text())

@@ -143,7 +143,8 @@ def run_limit_budget(p) -> tuple[float | None, dict | None]:
 
 def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started: float, world: World,
                make_trainer: Callable, resumed_total: int | None, measure: bool = True,
-               prepared: dict | None = None, seconds: float | None = None) -> BudgetFit | None:
+               prepared: dict | None = None, seconds: float | None = None,
+               timed: tuple | None = None) -> BudgetFit | None:
     """``recovery.time_budget`` as a step count (and, for a method on the disk cache, a number
     of training rows), so that the schedules complete inside it, features included.
 
@@ -152,7 +153,10 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
     ``resumed_total``: a resumed run's step count, which is kept; ``prepared``: what the
     closed-form preparation already did to ``inputs.pruned`` (the probe copies it rather than
     fitting a warm start a second time); ``seconds``: the budget where :func:`cut_to_run_limit`
-    cut it (None: ``recovery.time_budget``). None where nothing is decided (``measure=False`` and
+    cut it (None: ``recovery.time_budget``); ``timed``: ``(costs, rebuild, extras_row)`` a probe
+    of this run measured already (:attr:`~overrep.errors.WarmStartTooShort.timed`: ``auto``'s
+    warm start, whose steps cost at least the cold start's), so that none is run again. None
+    where nothing is decided (``measure=False`` and
     nothing to resume)."""
     r = inputs.config
     budget = parse_duration(r.time_budget) if seconds is None else seconds
@@ -165,25 +169,12 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
     if total is None:
         if not measure:
             return None
-        teacher = dataclasses.replace(inputs.teacher, mode="probe") if sizes_cache else inputs.teacher
-        probe = dataclasses.replace(inputs, pruned=copy.deepcopy(inputs.pruned), teacher=teacher)
-        t0, cached = time.perf_counter(), teacher.seconds
-        run = build_recovery(probe, method, prepared=prepared)
-        # what building it again costs: not the cache, nor a search it reads back, nor the probe's features
-        rebuild = time.perf_counter() - t0 - (teacher.seconds - cached) - (
-            run.search_seconds if run.searched_now else 0.0) - (PROBE_ROWS * teacher.row_seconds if sizes_cache else 0.0)
-        # a loss's per-row extras (the teacher's top-K) are built for every cached row: a row's
-        # cost, not a fixed one (the probe built them for its few rows only); a repeated run that
-        # reads them back has the time left over, which the trainer's re-fits give to steps
-        rebuild -= run.extras_train_seconds
-        extras_row = run.extras_row_seconds if sizes_cache else 0.0
-        costs = make_trainer(run.objective).measure()
-        del run, probe
-        # the rows bound a one-pass later phase (StepCosts.later_steps); a method on the disk cache also pays for them
-        costs = dataclasses.replace(costs, rows_per_step=per_step, max_rows=inputs.train_ids.shape[0])
-        if sizes_cache:
-            costs = dataclasses.replace(costs, row=teacher.row_seconds + extras_row, passes=r.budget_passes,
-                                        fresh_share=fresh, live_share=teacher.live_share)
+        if timed is None:
+            costs, rebuild, extras_row = probe_costs(method, inputs, prepared, make_trainer, sizes_cache, fresh)
+        else:  # a layout of the same run timed already: its live share is this plan's
+            costs, rebuild, extras_row = timed
+            costs = dataclasses.replace(costs, live_share=inputs.teacher.live_share) if sizes_cache else costs
+            info["timed_by"] = "the warm start's probe (recovery.warm_start auto fell back to the cold start)"
         left = budget - (time.perf_counter() - started) - max(0.0, rebuild)
         costs = world.broadcast(costs)  # rank 0's figures decide
         info.update({f"measured_{k}": v for k, v in (("seconds_per_step", costs.step),
@@ -213,7 +204,8 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
                        + "or use a closed form such as --method replaceme, which trains nothing")
             if not warm:
                 raise OverRepError(message)
-            raise WarmStartTooShort(message, why=f"{total} of the {floor} optimiser steps it needs (about {needed:.0f} s here)")
+            raise WarmStartTooShort(message, why=f"{total} of the {floor} optimiser steps it needs (about {needed:.0f} s "
+                                    "here)", timed=(costs, rebuild, extras_row))
         eval_every = info["eval_every"] = spread(total, validations)
         later = f" ({costs.later_steps(total)} of them at {costs.later:.2f} s)" if costs.later_share else ""
         log.info("time budget %.0f s: %.2f s per step, %.3f s per row of features, %.0f s left -> %d steps%s on "
@@ -225,6 +217,34 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         rows = info["rows"] = StepCosts(0, 0, 0, rows_per_step=per_step, max_rows=inputs.train_ids.shape[0],
                                         passes=r.budget_passes, fresh_share=fresh).rows(total)
     return BudgetFit(total, rows, costs, info, eval_every if costs is not None else None)
+
+
+def probe_costs(method: Method, inputs: MethodInputs, prepared: dict | None, make_trainer: Callable,
+                sizes_cache: bool, fresh: float) -> tuple[StepCosts, float, float]:
+    """What a step, a validation and a row of features cost this run, timed on a copy of the
+    method built on a copy of the pruned model, and what building it again will cost (seconds
+    the budget must keep), and a row's per-loss extras: ``(costs, rebuild, extras_row)``."""
+    r = inputs.config
+    teacher = dataclasses.replace(inputs.teacher, mode="probe") if sizes_cache else inputs.teacher
+    probe = dataclasses.replace(inputs, pruned=copy.deepcopy(inputs.pruned), teacher=teacher)
+    t0, cached = time.perf_counter(), teacher.seconds
+    run = build_recovery(probe, method, prepared=prepared)
+    # what building it again costs: not the cache, nor a search it reads back, nor the probe's features
+    rebuild = time.perf_counter() - t0 - (teacher.seconds - cached) - (
+        run.search_seconds if run.searched_now else 0.0) - (PROBE_ROWS * teacher.row_seconds if sizes_cache else 0.0)
+    # a loss's per-row extras (the teacher's top-K) are built for every cached row: a row's
+    # cost, not a fixed one (the probe built them for its few rows only); a repeated run that
+    # reads them back has the time left over, which the trainer's re-fits give to steps
+    rebuild -= run.extras_train_seconds
+    extras_row = run.extras_row_seconds if sizes_cache else 0.0
+    costs = make_trainer(run.objective).measure()
+    del run, probe
+    # the rows bound a one-pass later phase (StepCosts.later_steps); a method on the disk cache also pays for them
+    costs = dataclasses.replace(costs, rows_per_step=r.batch_size * r.grad_accum, max_rows=inputs.train_ids.shape[0])
+    if sizes_cache:
+        costs = dataclasses.replace(costs, row=teacher.row_seconds + extras_row, passes=r.budget_passes,
+                                    fresh_share=fresh, live_share=teacher.live_share)
+    return costs, rebuild, extras_row
 
 
 def budget_outcome(trainer) -> dict:

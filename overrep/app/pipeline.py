@@ -245,11 +245,11 @@ class Pipeline:
         if r.time_budget is not None and r.steps is None and self.method.trains:  # (a closed form: no steps)
             seconds, limit = run_limit_budget(self) if with_data else (None, None)
 
-            def fit(started: float, prepared: dict):
+            def fit(started: float, prepared: dict, timed: tuple | None):
                 return fit_budget(self.method, self.method_inputs(), cache_mode=self.cfg.cache.mode, started=started,
                                   world=self.world, resumed_total=checkpointed_total(self.out) if self.resume
                                   else None, make_trainer=lambda objective: self.make_trainer(objective, False),
-                                  measure=with_data, prepared=prepared, seconds=seconds)
+                                  measure=with_data, prepared=prepared, seconds=seconds, timed=timed)
             self.budget, prepared = warm_start.fit_or_start_cold(self, fit, t0, prepared)  # auto: cold if too short
             if self.budget is not None and limit is not None:
                 self.budget.info["run_limit"] = limit

@@ -7,8 +7,8 @@ floor (:data:`~overrep.app.budgeting.MIN_WARM_BUDGET_STEPS`) is known only once 
 been timed, after the map's fit. Where it does not, the run plans the cold start, prunes the
 model again (the map was folded into the warm layout's block 1, the retained block, where the
 cold start trains the stitched one), scores that unrecovered model as a cold run of the mask
-would (outside the budget), and fits the budget again with the warm start's seconds counted:
-they were spent. A ``--resume`` of such a run finds the cold start's plan in its ``plan.json``
+would (outside the budget), and fits the budget again with the warm start's seconds counted
+(they were spent) on the warm start's timed steps (a second probe would spend more). A ``--resume`` of such a run finds the cold start's plan in its ``plan.json``
 and starts cold again. A warm start asked for by name is refused instead (one line naming the
 cold start).
 """
@@ -70,12 +70,15 @@ def resumes_cold(p) -> bool:
     return saved is not None and saved != p.plan.to_dict()
 
 
-def fit_or_start_cold(p, fit: Callable[[float, dict], object], started: float, prepared: dict):
-    """``fit(started, prepared)`` (the time budget's fit); where it leaves an ``auto`` warm
-    start too few steps, :func:`start_cold` and fit again, the seconds spent so far counted.
+def fit_or_start_cold(p, fit: Callable[..., object], started: float, prepared: dict):
+    """``fit(started, prepared, timed)`` (the time budget's fit); where it leaves an ``auto``
+    warm start too few steps, :func:`start_cold` and fit again on the warm start's timed steps
+    (a cold step costs less: two blocks against three, and in the same budgets the cold start
+    trained 4-25% more steps, docs/closed-forms.md; the trainer's re-fits time the real ones),
+    the seconds spent so far counted.
     Returns the budget and what the closed-form preparation did to the model trained."""
     try:
-        return fit(started, prepared), prepared
+        return fit(started, prepared, None), prepared
     except WarmStartTooShort as refused:
         if not auto_warm(p):  # a warm start asked for by name
             raise
@@ -84,7 +87,7 @@ def fit_or_start_cold(p, fit: Callable[[float, dict], object], started: float, p
         prepared = prepare_closed_form(p.method_inputs(), p.method)
         p.recovery_started = started = time.perf_counter() - spent  # (not the unrecovered model's scoring)
         try:
-            return fit(started, prepared), prepared
+            return fit(started, prepared, refused.timed), prepared
         except OverRepError as cold_refused:
             raise OverRepError(f"{cold_refused} (recovery.warm_start auto tried the warm start first: "
                                f"{refused.why})") from None
