@@ -8,9 +8,9 @@ been timed, after the map's fit. Where it does not, the run plans the cold start
 model again (the map was folded into the warm layout's block 1, the retained block, where the
 cold start trains the stitched one), scores that unrecovered model as a cold run of the mask
 would (outside the budget), and fits the budget again with the warm start's seconds counted
-(they were spent) on the warm start's timed steps (a second probe would spend more). A ``--resume`` of such a run finds the cold start's plan in its ``plan.json``
-and starts cold again. A warm start asked for by name is refused instead (one line naming the
-cold start).
+(they were spent) on the warm start's timed steps (a second probe would spend more). A
+``--resume`` of such a run finds the cold start's plan in its ``plan.json`` and starts cold
+again. A warm start asked for by name is refused instead (one line naming the cold start).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
     ``model``: the dense model; ``removed``: its removed blocks (None: width pruning);
     ``probe``: a training row or two for :func:`~overrep.recovery.closed_form.fold_blocker`;
     ``cold_because``: why ``auto`` starts cold whatever the mask (a time budget that left the
-    warm start fewer steps than its floor: :meth:`~overrep.app.pipeline.Pipeline.start_cold`)."""
+    warm start fewer steps than its floor: :func:`~overrep.app.warm_start.start_cold`)."""
     if r.warm_start != AUTO:
         if r.warm_start != "none" and removed is None:  # (prepare would fold nothing and say it had)
             raise OverRepError(f"recovery.warm_start: {r.warm_start} folds a map over each removed run of blocks; "
