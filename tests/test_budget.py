@@ -54,7 +54,19 @@ def test_a_budget_that_leaves_too_few_steps_is_refused_before_training(assets, t
     # recovery.budget_min_steps overrides both floors
     ok = tiny_cfg(assets, tmp_path / "ok", eval__perplexity=False, eval__latency=False, recovery__steps=None,
                   recovery__time_budget="20s", recovery__warm_start="replaceme", recovery__budget_min_steps=1)
-    assert Pipeline(ok, progress=False).run()["train_steps"] >= 1
+    fits = count_map_fits(monkeypatch)
+    done = Pipeline(ok, progress=False).run()
+    assert done["train_steps"] >= 1 and len(fits) == 1  # fitted once, after the probe (which timed the layout)
+    assert "before the warm start's map was fitted" in done["time_budget"]["timed_by"]
+
+
+def count_map_fits(monkeypatch) -> list:
+    """A list that grows by one each time a warm start's map is fitted."""
+    import overrep.recovery.methods.closed_form as closed_form
+
+    fits, real = [], closed_form.fit_and_fold
+    monkeypatch.setattr(closed_form, "fit_and_fold", lambda *a, **k: fits.append(1) or real(*a, **k))
+    return fits
 
 
 def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(assets, tmp_path, monkeypatch):
@@ -75,7 +87,9 @@ def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(as
         return tiny_cfg(assets, tmp_path / name, eval__latency=False, eval__domains="", recovery__closed_rows=8,
                         prune__remove="2-3", **over)
 
+    fits = count_map_fits(monkeypatch)
     auto = Pipeline(cfg("auto"), progress=False).run()
+    assert not fits  # refused on the probe, before the map's fit spent the budget's seconds
     assert auto["warm_start"]["setting"] == "auto" and auto["warm_start"]["used"] == "none"
     assert re.search(r"leaves the warm start \d+ of the 100 optimiser steps it needs \(about \d+ s here\)", auto["warm_start"]["why"])
     assert auto["train_steps"] >= 3

@@ -44,6 +44,7 @@ class BudgetFit:
     costs: StepCosts | None
     info: dict
     eval_every: int | None = None  # the validation cadence it affords (0: none; None: a resumed run's, from its checkpoint)
+    timed: tuple | None = None  # (costs, rebuild, extras_row) of the probe, for fit_budget(timed=...)
 
 
 def checkpointed_total(out: Path) -> int | None:
@@ -143,8 +144,8 @@ def run_limit_budget(p) -> tuple[float | None, dict | None]:
 
 def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started: float, world: World,
                make_trainer: Callable, resumed_total: int | None, measure: bool = True,
-               prepared: dict | None = None, seconds: float | None = None,
-               timed: tuple | None = None) -> BudgetFit | None:
+               prepared: dict | None = None, seconds: float | None = None, warm: bool = False,
+               timed: tuple | None = None, timed_by: str | None = None) -> BudgetFit | None:
     """``recovery.time_budget`` as a step count (and, for a method on the disk cache, a number
     of training rows), so that the schedules complete inside it, features included.
 
@@ -152,12 +153,15 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
     (:func:`time.perf_counter`); ``make_trainer(objective)``: a trainer for a measurement;
     ``resumed_total``: a resumed run's step count, which is kept; ``prepared``: what the
     closed-form preparation already did to ``inputs.pruned`` (the probe copies it rather than
-    fitting a warm start a second time); ``seconds``: the budget where :func:`cut_to_run_limit`
-    cut it (None: ``recovery.time_budget``); ``timed``: ``(costs, rebuild, extras_row)`` a probe
-    of this run measured already (:attr:`~overrep.errors.WarmStartTooShort.timed`: ``auto``'s
-    warm start, whose steps cost at least the cold start's), so that none is run again. None
-    where nothing is decided (``measure=False`` and
-    nothing to resume)."""
+    fitting a warm start a second time; empty: a warm start whose map is fitted after the probe,
+    which times its layout all the same); ``seconds``: the budget where :func:`cut_to_run_limit`
+    cut it (None: ``recovery.time_budget``); ``warm``: the run starts from a closed form (its
+    floor is :data:`MIN_WARM_BUDGET_STEPS`, and a budget too short raises
+    :class:`~overrep.errors.WarmStartTooShort`); ``timed``: ``(costs, rebuild, extras_row)`` a
+    probe of this run measured already (:attr:`BudgetFit.timed`: the warm start's, before its
+    map was fitted, or after ``auto`` fell back to the cold start, whose steps cost less), so
+    that none is run again, and ``timed_by`` says which in ``metrics.json``. None where nothing
+    is decided (``measure=False`` and nothing to resume)."""
     r = inputs.config
     budget = parse_duration(r.time_budget) if seconds is None else seconds
     asked = r.time_budget if seconds is None else f"{r.time_budget} (cut to {seconds:.0f} s by recovery.run_limit)"
@@ -174,7 +178,8 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         else:  # a layout of the same run timed already: its live share is this plan's
             costs, rebuild, extras_row = timed
             costs = dataclasses.replace(costs, live_share=inputs.teacher.live_share) if sizes_cache else costs
-            info["timed_by"] = "the warm start's probe (recovery.warm_start auto fell back to the cold start)"
+            if timed_by:
+                info["timed_by"] = timed_by
         left = budget - (time.perf_counter() - started) - max(0.0, rebuild)
         costs = world.broadcast(costs)  # rank 0's figures decide
         info.update({f"measured_{k}": v for k, v in (("seconds_per_step", costs.step),
@@ -182,7 +187,6 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
                      ("validation_seconds", costs.validation), ("checkpoint_seconds", costs.checkpoint),
                      ("feature_seconds_per_row", costs.row), ("extras_seconds_per_row", extras_row)) if v})
         validations = validation_plan(budget, r.validation_share, costs)
-        warm = bool((prepared or {}).get("warm_start"))
         # recovery.keep_best after a warm start: the closed form is scored before the first step
         # (Trainer.score_the_start) and the last step after it, whatever validation_share affords,
         # so that a budget too short for training to pass the closed form ships the closed form
@@ -216,7 +220,8 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
     if sizes_cache:
         rows = info["rows"] = StepCosts(0, 0, 0, rows_per_step=per_step, max_rows=inputs.train_ids.shape[0],
                                         passes=r.budget_passes, fresh_share=fresh).rows(total)
-    return BudgetFit(total, rows, costs, info, eval_every if costs is not None else None)
+    return BudgetFit(total, rows, costs, info, eval_every if costs is not None else None,
+                     (costs, rebuild, extras_row) if costs is not None else None)
 
 
 def probe_costs(method: Method, inputs: MethodInputs, prepared: dict | None, make_trainer: Callable,

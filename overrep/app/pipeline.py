@@ -36,7 +36,7 @@ from ..model.surgery import parse_layers, plan_pruning, prune
 from ..pruning.cached import cached_selection
 from ..pruning.criteria import NEEDS_CALIBRATION, Selection
 from ..recovery.budget import Deadline
-from ..recovery.methods import build_recovery, get_method, prepare_closed_form
+from ..recovery.methods import build_recovery, fits_warm_start, get_method, prepare_closed_form
 from ..recovery.teacher import MethodInputs, Teacher
 from ..recovery.sharding import gather, shard_objective
 from ..recovery.trainer import Trainer
@@ -241,16 +241,21 @@ class Pipeline:
         assert self.recovery is None, "the recovery is built once"
         self.recovery_started = t0 = time.perf_counter()  # a time budget counts from here
         r = self.cfg.recovery
-        prepared = prepare_closed_form(self.method_inputs(), self.method)  # once, in the budget, before its probe
-        if r.time_budget is not None and r.steps is None and self.method.trains:  # (a closed form: no steps)
+        budgeted = r.time_budget is not None and r.steps is None and self.method.trains  # (a closed form: no steps)
+        # under a time budget a warm start's map is fitted once the probe has timed its layout
+        # (warm_start.fit_budget_warm_or_cold); otherwise once, here
+        deferred = budgeted and with_data and fits_warm_start(self.rcfg, self.method)
+        prepared = {} if deferred else prepare_closed_form(self.method_inputs(), self.method)
+        if budgeted:
             seconds, limit = run_limit_budget(self) if with_data else (None, None)
 
-            def fit(started: float, prepared: dict, timed: tuple | None):
+            def fit(started: float, prepared: dict, warm: bool, timed: tuple | None = None, timed_by: str | None = None):
                 return fit_budget(self.method, self.method_inputs(), cache_mode=self.cfg.cache.mode, started=started,
                                   world=self.world, resumed_total=checkpointed_total(self.out) if self.resume
                                   else None, make_trainer=lambda objective: self.make_trainer(objective, False),
-                                  measure=with_data, prepared=prepared, seconds=seconds, timed=timed)
-            self.budget, prepared = warm_start.fit_or_start_cold(self, fit, t0, prepared)  # auto: cold if too short
+                                  measure=with_data, prepared=prepared, seconds=seconds, warm=warm, timed=timed,
+                                  timed_by=timed_by)
+            self.budget, prepared = warm_start.fit_budget_warm_or_cold(self, fit, t0, prepared, deferred)
             if self.budget is not None and limit is not None:
                 self.budget.info["run_limit"] = limit
         if self.budget is not None:

@@ -4,11 +4,13 @@ fall-back to the cold start where a time budget leaves the warm start fewer step
 ``auto`` decides warm or cold before the plan (:func:`~overrep.recovery.methods.resolve_warm_start`:
 the mask, the method, the architecture), but whether a time budget leaves the warm start its
 floor (:data:`~overrep.app.budgeting.MIN_WARM_BUDGET_STEPS`) is known only once its steps have
-been timed, after the map's fit. Where it does not, the run plans the cold start, prunes the
-model again (the map was folded into the warm layout's block 1, the retained block, where the
-cold start trains the stitched one), scores that unrecovered model as a cold run of the mask
-would (outside the budget), and fits the budget again with the warm start's seconds counted
-(they were spent) on the warm start's timed steps (a second probe would spend more). A
+been timed. The probe times them before the map is fitted (the fit took 6-10 s of a one-minute
+budget on a 2-core CPU). Where the budget does not leave the floor, the run plans the cold start,
+prunes the model again (the cold start trains the stitched block where the warm layout keeps
+block 1 as it is, and a fit that came before the refusal folded its map there), scores that
+unrecovered model as a cold run of the mask would (outside the budget), and fits the budget
+again with the warm start's seconds counted (they were spent) on the warm start's timed steps
+(a second probe would spend more). A
 ``--resume`` of such a run finds the cold start's plan in its ``plan.json`` and starts cold
 again. A warm start asked for by name is refused instead (one line naming the cold start).
 """
@@ -70,24 +72,37 @@ def resumes_cold(p) -> bool:
     return saved is not None and saved != p.plan.to_dict()
 
 
-def fit_or_start_cold(p, fit: Callable[..., object], started: float, prepared: dict):
-    """``fit(started, prepared, timed)`` (the time budget's fit); where it leaves an ``auto``
-    warm start too few steps, :func:`start_cold` and fit again on the warm start's timed steps
-    (a cold step costs less: two blocks against three, and in the same budgets the cold start
-    trained 4-25% more steps, docs/closed-forms.md; the trainer's re-fits time the real ones),
-    the seconds spent so far counted.
-    Returns the budget and what the closed-form preparation did to the model trained."""
+def fit_budget_warm_or_cold(p, fit: Callable[..., object], started: float, prepared: dict, deferred: bool):
+    """The time budget's fit, ``fit(started, prepared, warm, timed=None, timed_by=None)``, and
+    what the closed-form preparation did to the model trained, as ``(budget, prepared)``.
+
+    ``deferred``: a warm start whose map is not fitted yet. Its probe times the warm layout as it
+    stands (a step costs the same before the fit), so that a budget too short for it is known
+    before the fit's seconds are spent; the map is then fitted and the steps fitted again on
+    the same probe with those seconds counted. Where the budget leaves an ``auto`` warm start
+    too few steps, :func:`start_cold` and fit again on the warm start's timed steps (a cold
+    step costs less: two blocks against three, and in the same budgets the cold start trained
+    4-25% more steps, docs/closed-forms.md; the trainer's re-fits time the real ones), the
+    seconds spent so far counted."""
+    warm = deferred or bool(prepared.get("warm_start"))
     try:
-        return fit(started, prepared, None), prepared
+        budget = fit(started, prepared, warm)
+        if deferred:
+            prepared = prepare_closed_form(p.method_inputs(), p.method)  # in the budget
+            if budget is not None and budget.timed is not None:
+                budget = fit(started, prepared, True, budget.timed, "this run's probe, timed before the warm "
+                             "start's map was fitted")
+        return budget, prepared
     except WarmStartTooShort as refused:
         if not auto_warm(p):  # a warm start asked for by name
             raise
-        spent = time.perf_counter() - started  # the warm start's fit and probe
+        spent = time.perf_counter() - started  # the warm start's probe (and its fit, if it came to that)
         start_cold(p, refused)
         prepared = prepare_closed_form(p.method_inputs(), p.method)
         p.recovery_started = started = time.perf_counter() - spent  # (not the unrecovered model's scoring)
         try:
-            return fit(started, prepared, refused.timed), prepared
+            return fit(started, prepared, False, refused.timed, "the warm start's probe (recovery.warm_start "
+                       "auto fell back to the cold start)"), prepared
         except OverRepError as cold_refused:
             raise OverRepError(f"{cold_refused} (recovery.warm_start auto tried the warm start first: "
                                f"{refused.why})") from None

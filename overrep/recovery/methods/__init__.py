@@ -44,7 +44,7 @@ from ..losses import LossOptions
 from ..teacher import MethodInputs
 from .adapters import AdaLoraRun, AdapterRun, IsoLoraRun, LoraOptions, iso_rank, lora_params_per_rank, projection_names
 from .base import Method, MethodRun
-from .closed_form import ClosedFormOptions, ClosedFormRun, prepare as prepare_closed_form, resolve_warm_start
+from .closed_form import ClosedFormOptions, ClosedFormRun, fits_warm_start, prepare as prepare_closed_form, resolve_warm_start
 from .layerwise import LayerwiseRun
 from .rankadaptor import RankAdaptorOptions, RankAdaptorRun
 from .restorelcc import RestoreLCCOptions, RestoreLCCRun
@@ -118,4 +118,4 @@ def build_recovery(inputs: MethodInputs, method: Method, *, with_data: bool = Tr
 
 
 __all__ = ["METHODS", "Method", "MethodRun", "MethodInputs", "get_method", "build_recovery", "prepare_closed_form",
-           "resolve_warm_start", "iso_rank", "lora_params_per_rank", "projection_names"]
+           "fits_warm_start", "resolve_warm_start", "iso_rank", "lora_params_per_rank", "projection_names"]

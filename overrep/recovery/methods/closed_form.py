@@ -163,6 +163,12 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
     return warm, record
 
 
+def fits_warm_start(r, method: Method) -> bool:
+    """Whether :func:`prepare` fits a map for the (resolved) ``recovery`` section ``r``: a
+    warm start named or chosen by ``auto``, for a method that trains."""
+    return WARM_STARTS.get(r.warm_start) is not None and method.trains
+
+
 def prepare(inputs: MethodInputs, method: Method) -> dict:
     """Apply ``recovery.compensate`` and ``recovery.warm_start`` to ``inputs.pruned`` in place;
     what was done (empty: nothing)."""
@@ -173,8 +179,8 @@ def prepare(inputs: MethodInputs, method: Method) -> dict:
         out["prunecomp"] = prunecomp(inputs.pruned, inputs.dense, inputs.plan, ids[:r.closed_rows],
                                      tokens=r.closed_tokens)  # (only which tokens count)
         out["prunecomp"]["seconds"] = time.perf_counter() - t0
-    kind = WARM_STARTS.get(r.warm_start)
-    if kind is not None and method.trains:
+    if fits_warm_start(r, method):
+        kind = WARM_STARTS[r.warm_start]
         fit = out["warm_start"] = fit_and_fold(inputs.pruned, inputs.dense, inputs.plan, ids, fit_options(r), kind)
         log.info("warm start: ReplaceMe's map (%s) fitted on %d rows and folded into block(s) %s in %.1f s", kind,
                  fit["rows"], ", ".join(str(x["block"]) for x in fit["runs"]), sum(x["seconds"] for x in fit["runs"]))
