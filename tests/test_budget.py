@@ -34,7 +34,7 @@ def test_a_budget_that_leaves_too_few_steps_is_refused_before_training(assets, t
     from overrep.recovery.trainer import Trainer
 
     monkeypatch.setattr(budgeting, "MIN_BUDGET_STEPS", 10)
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(5.0, 0.0, 0.0))  # ~3 steps fit in 20 s
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(5.0, 0.0, 0.0))  # ~3 steps fit in 20 s
     out = tmp_path / "short"
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
                    recovery__time_budget="20s", recovery__warm_start="none")
@@ -80,7 +80,7 @@ def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(as
 
     monkeypatch.setattr(budgeting, "MIN_WARM_BUDGET_STEPS", 100)
     probes = []
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: probes.append(1) or StepCosts(1.0, 0.0, 0.0))  # ~15 steps in 20 s
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: probes.append(1) or StepCosts(1.0, 0.0, 0.0))  # ~15 steps in 20 s
 
     def cfg(name, **over):
         over = {"recovery__steps": None, "recovery__time_budget": "20s", **over}
@@ -198,7 +198,7 @@ def test_a_short_budget_caches_only_the_rows_it_trains_on(assets, tmp_path, monk
     (``recovery.budget_passes: 1``) and that is less than the data."""
     from overrep.recovery.trainer import Trainer
 
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(5.0, 0.0, 0.0))  # a slow step
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(5.0, 0.0, 0.0))  # a slow step
     out = tmp_path / "short"
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
                    recovery__time_budget="20s", recovery__budget_passes=1)
@@ -246,7 +246,7 @@ def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, mon
 
     import overrep.app.budgeting as budgeting
 
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(4.0, 0.0, 0.0))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(4.0, 0.0, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 4)  # the same plan, however fast this machine is
     monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: 1)  # and the re-fit keeps it
     kw = dict(eval__perplexity=False, eval__latency=False, recovery__steps=None, recovery__time_budget="20s",
@@ -258,7 +258,7 @@ def test_a_budgeted_run_resumes_on_the_same_rows_and_steps(assets, tmp_path, mon
     run_killed_at(monkeypatch, cfg, 2)
     ckpt = torch.load(tmp_path / "killed" / "checkpoints" / "step-000002.pt", weights_only=True)
     before = ckpt["budget_seconds"]  # the killed process's seconds, features included, up to its checkpoint
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: pytest.fail("measured again on resume"))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: pytest.fail("measured again on resume"))
     m = Pipeline(cfg, resume=True, progress=False).run()
     tb = m["time_budget"]
     assert (tb["steps"], tb["rows"]) == (steps, rows) == (m["train_steps"], rows)
@@ -289,7 +289,7 @@ def test_a_budgeted_run_validates_as_often_as_its_share_allows(assets, tmp_path,
 
     import overrep.app.budgeting as budgeting
 
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.1, 1.0, 0.0))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.1, 1.0, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 6)
     monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: 3)  # re-fit at step 3: still 6
     # a warm start also scores its closed form before step 1 and always its last step
@@ -315,7 +315,7 @@ def test_a_refit_that_adds_steps_moves_the_last_validation_to_the_last_step(asse
 
     import overrep.app.budgeting as budgeting
 
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.1, 1.0, 0.0))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.1, 1.0, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 6)
     for warm, share, expected in (("none", 0.1, [5, 9]), ("replaceme", 0.0, [9])):
         left = iter([6, 3])  # the re-fits at steps 3 and 6: nine steps in all
@@ -368,7 +368,7 @@ def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path
     no_deadline_stop(monkeypatch)
     from overrep.recovery.trainer import Trainer
 
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.5, 0.0, 0.0, anneal=0.5))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.5, 0.0, 0.0, anneal=0.5))
     out = tmp_path / "refit"
     cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
                    recovery__time_budget="8s", recovery__warm_start="none",  # cold: the annealed preset
@@ -402,7 +402,7 @@ def test_a_second_refit_catches_steps_that_got_faster(assets, tmp_path, monkeypa
         return real_step(self)
 
     monkeypatch.setattr(Trainer, "_step", step)
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.5, 0.0, 0.0, anneal=0.5))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.5, 0.0, 0.0, anneal=0.5))
     cfg = tiny_cfg(assets, tmp_path / "second", eval__perplexity=False, eval__latency=False, recovery__steps=None,
                    recovery__time_budget="8s", recovery__warm_start="none", recovery__loss="normed")
     m = Pipeline(cfg, progress=False).run()
@@ -456,7 +456,7 @@ def test_a_budgeted_run_stops_at_its_deadline_and_still_folds(assets, tmp_path, 
 
     import overrep.app.budgeting as budgeting
 
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.001, 0.0, 0.0))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.001, 0.0, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 100_000)  # far more steps than 4 s allow
     monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: 100_000)
     m = Pipeline(tiny_cfg(assets, tmp_path / "run", eval__perplexity=False, eval__latency=False, recovery__steps=None,
@@ -482,7 +482,7 @@ def slow_steps(monkeypatch, seconds: float, validation: float) -> None:
         time.sleep(seconds)
         return real_step(self)
 
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.001, validation, 0.0))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.001, validation, 0.0))
     monkeypatch.setattr(budgeting, "fit_steps", lambda *a, **k: 1000)
     monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: 1000)
     monkeypatch.setattr(Trainer, "_step", slow_step)
@@ -577,6 +577,12 @@ def test_the_probe_times_each_phase_of_a_two_loss_objective(tmp_path, monkeypatc
     assert not costs.one_pass  # (a layer-wise later phase may see its rows again)
     assert costs.train_seconds(100) == pytest.approx(75 * 1.0 + 25 * 4.0)
     assert objective.current() == "mse"  # back at the start
+    assert len(seen) == 2 * (1 + 3)  # an untimed step and three timed ones a stretch
+    # a short budget's share: fewer timed steps in a stretch whose first step says they cost more, never none
+    seen.clear()
+    assert t.measure(within=6.0).later == 4.0 and len(seen) == (1 + 3) + (1 + 1)  # 3 s a stretch: 3 x 1 s, 1 x 4 s
+    seen.clear()
+    assert t.measure(within=0.01).step == 1.0 and len(seen) == 2 * (1 + 1)
 
 
 def test_a_next_token_phase_gets_rows_of_its_own():
@@ -609,7 +615,7 @@ def test_a_costlier_later_phase_shortens_the_run_to_its_deadline(assets, tmp_pat
         return real_step(self)
 
     monkeypatch.setattr(Trainer, "_step", step)
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2: StepCosts(0.05, 0.0, 0.0, anneal=0.05))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.05, 0.0, 0.0, anneal=0.05))
     out = tmp_path / "late"
     m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
                           recovery__time_budget="10s", recovery__warm_start="none", recovery__loss="normed>ce",
@@ -657,7 +663,7 @@ def test_a_next_token_phase_reads_past_the_cached_rows_when_a_refit_lengthens_it
     no_deadline_stop(monkeypatch)
     import overrep.recovery.trainer as trainer_module
 
-    monkeypatch.setattr(trainer_module.Trainer, "measure", lambda self, steps=2: StepCosts(5.0, 0.0, 0.0, anneal=5.0))
+    monkeypatch.setattr(trainer_module.Trainer, "measure", lambda self, steps=2, within=None: StepCosts(5.0, 0.0, 0.0, anneal=5.0))
     monkeypatch.setattr(Deadline, "steps_left", lambda self, seconds, now, **k: 100)  # the re-fit: 100 steps more
     monkeypatch.setattr(trainer_module, "refit_late_phase", lambda trainer, phase, began, seconds: began)
     out = tmp_path / "live"

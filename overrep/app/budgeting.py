@@ -69,6 +69,10 @@ MIN_BUDGET_STEPS = 10
 MIN_WARM_BUDGET_STEPS = 20
 
 
+#: the share of a time budget the probe's timed steps may take (:meth:`Trainer.measure`'s
+#: ``within``): at 12 minutes three a stretch, as before; at one minute one
+PROBE_SHARE = 0.05
+
 #: the share of ``recovery.run_limit`` kept for the export, the report and what nothing measures
 RUN_LIMIT_RESERVE = 0.03
 
@@ -174,7 +178,8 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         if not measure:
             return None
         if timed is None:
-            costs, rebuild, extras_row = probe_costs(method, inputs, prepared, make_trainer, sizes_cache, fresh)
+            costs, rebuild, extras_row = probe_costs(method, inputs, prepared, make_trainer, sizes_cache, fresh,
+                                                     within=PROBE_SHARE * budget)
         else:  # a layout of the same run timed already: its live share is this plan's
             costs, rebuild, extras_row = timed
             costs = dataclasses.replace(costs, live_share=inputs.teacher.live_share) if sizes_cache else costs
@@ -225,10 +230,11 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
 
 
 def probe_costs(method: Method, inputs: MethodInputs, prepared: dict | None, make_trainer: Callable,
-                sizes_cache: bool, fresh: float) -> tuple[StepCosts, float, float]:
+                sizes_cache: bool, fresh: float, within: float | None = None) -> tuple[StepCosts, float, float]:
     """What a step, a validation and a row of features cost this run, timed on a copy of the
     method built on a copy of the pruned model, and what building it again will cost (seconds
-    the budget must keep), and a row's per-loss extras: ``(costs, rebuild, extras_row)``."""
+    the budget must keep), and a row's per-loss extras: ``(costs, rebuild, extras_row)``.
+    ``within``: the seconds its timed steps may take (:meth:`~overrep.recovery.trainer.Trainer.measure`)."""
     r = inputs.config
     teacher = dataclasses.replace(inputs.teacher, mode="probe") if sizes_cache else inputs.teacher
     probe = dataclasses.replace(inputs, pruned=copy.deepcopy(inputs.pruned), teacher=teacher)
@@ -242,7 +248,7 @@ def probe_costs(method: Method, inputs: MethodInputs, prepared: dict | None, mak
     # reads them back has the time left over, which the trainer's re-fits give to steps
     rebuild -= run.extras_train_seconds
     extras_row = run.extras_row_seconds if sizes_cache else 0.0
-    costs = make_trainer(run.objective).measure()
+    costs = make_trainer(run.objective).measure(within=within)
     del run, probe
     # the rows bound a one-pass later phase (StepCosts.later_steps); a method on the disk cache also pays for them
     costs = dataclasses.replace(costs, rows_per_step=r.batch_size * r.grad_accum, max_rows=inputs.train_ids.shape[0])

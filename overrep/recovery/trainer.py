@@ -266,28 +266,38 @@ class Trainer:
                                                 self.cfg.alpha_linear_ratio).decay_end))
         return stretches(self.total, cuts)
 
-    def measure(self, steps: int = 3) -> StepCosts:
+    def measure(self, steps: int = 3, within: float | None = None) -> StepCosts:
         """Time ``steps`` real steps in each of :meth:`stretches`, priced per phase of the
         objective (:func:`~overrep.recovery.budget.phase_costs`; ``anneal``: the first stretch,
         where a run starts and its re-fits time it), one validation (on
         :data:`VALIDATION_PROBE_FRACTION` of its rows, scaled up) and one checkpoint. It changes
-        the weights: the caller rebuilds the recovery afterwards."""
+        the weights: the caller rebuilds the recovery afterwards.
+
+        ``within``: the seconds the timed steps of all stretches together may take (a share of
+        a short budget, :data:`~overrep.app.budgeting.PROBE_SHARE`): fewer than ``steps`` a
+        stretch where its first, untimed step says they would take longer, never fewer than one.
+        At one minute on a 2-core CPU three timed steps in each of three stretches had taken
+        about 24 s, as many steps as the run then trained; the re-fits time the real ones."""
         import tempfile
 
         self.objective.train(True)
+        spans = self.stretches()
 
         def timed(at: int) -> float:
             self.step = at
             self.objective.after_optimizer_step(at - 1)  # the objective's phase at that step
+            t0 = time.perf_counter()
             self._step()  # untimed: the first step at a new phase pays one-off costs
+            first = time.perf_counter() - t0
+            n = steps if within is None else max(1, min(steps, int(within / len(spans) / max(first, 1e-6))))
             times = []
-            for _ in range(steps):
+            for _ in range(n):
                 t0 = time.perf_counter()
                 self._step()
                 times.append(time.perf_counter() - t0)
             return sorted(times)[len(times) // 2]  # the median: of two, the slower had put a ce step at 3.6 s for 2.1
 
-        timings = [(at, share, timed(at)) for at, share in self.stretches()]
+        timings = [(at, share, timed(at)) for at, share in spans]
         switch = min(self.objective.phase_starts(), default=None)
         self.objective.after_optimizer_step(-1)
         self.step = 0
