@@ -529,7 +529,7 @@ def test_the_probe_times_a_validation_on_a_sample_of_its_rows():
     a whole one (at a short budget a whole one was up to a fifth of it); the rows are all back
     afterwards, also when the timing fails."""
     from overrep.recovery.objectives import LanguageModeling
-    from overrep.recovery.trainer import VALIDATION_PROBE_FRACTION
+    from overrep.recovery.probe import VALIDATION_PROBE_FRACTION
 
     from tiny import tiny_ids, tiny_model
 

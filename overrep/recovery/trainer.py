@@ -29,8 +29,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import save_torch, write_text
-from . import sharding
-from .budget import Deadline, StepCosts, phase_costs, refit_late_phase, refit_to_deadline, stretches
+from . import probe, sharding
+from .budget import Deadline, StepCosts, refit_late_phase, refit_to_deadline, stretches
 from .keep_best import KeepBest
 from .sampler import step_batch
 from ..distributed import SINGLE, World
@@ -41,8 +41,6 @@ from ..core.schedule import AlphaSchedule, lr_factor
 
 log = logging.getLogger(__name__)
 
-#: the share of its rows a budget's probe validates on to time one validation (scaled up)
-VALIDATION_PROBE_FRACTION = 0.25
 
 
 def make_optimizer(objective: Objective, cfg: TrainingOptions) -> torch.optim.AdamW:
@@ -267,55 +265,8 @@ class Trainer:
         return stretches(self.total, cuts)
 
     def measure(self, steps: int = 3, within: float | None = None) -> StepCosts:
-        """Time ``steps`` real steps in each of :meth:`stretches`, priced per phase of the
-        objective (:func:`~overrep.recovery.budget.phase_costs`; ``anneal``: the first stretch,
-        where a run starts and its re-fits time it), one validation (on
-        :data:`VALIDATION_PROBE_FRACTION` of its rows, scaled up) and one checkpoint. It changes
-        the weights: the caller rebuilds the recovery afterwards.
-
-        ``within``: the seconds the timed steps of all stretches together may take (a share of
-        a short budget, :data:`~overrep.app.budgeting.PROBE_SHARE`): fewer than ``steps`` a
-        stretch where its first, untimed step says they would take longer, never fewer than one.
-        At one minute on a 2-core CPU three timed steps in each of three stretches had taken
-        about 24 s, as many steps as the run then trained; the re-fits time the real ones."""
-        import tempfile
-
-        self.objective.train(True)
-        spans = self.stretches()
-
-        def timed(at: int) -> float:
-            self.step = at
-            self.objective.after_optimizer_step(at - 1)  # the objective's phase at that step
-            t0 = time.perf_counter()
-            self._step()  # untimed: the first step at a new phase pays one-off costs
-            first = time.perf_counter() - t0
-            n = steps if within is None else max(1, min(steps, int(within / len(spans) / max(first, 1e-6))))
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                self._step()
-                times.append(time.perf_counter() - t0)
-            return sorted(times)[len(times) // 2]  # the median: of two, the slower had put a ce step at 3.6 s for 2.1
-
-        timings = [(at, share, timed(at)) for at, share in spans]
-        switch = min(self.objective.phase_starts(), default=None)
-        self.objective.after_optimizer_step(-1)
-        self.step = 0
-        # a quarter of the rows, scaled up: at a short budget a whole validation, timed only to
-        # learn what one costs, was up to a fifth of the budget
-        with self.objective.validation_sample(VALIDATION_PROBE_FRACTION) as scale:
-            t0 = time.perf_counter()
-            self.objective.validation_loss()
-            self.objective.validation_ppl()
-            validation = (time.perf_counter() - t0) * scale
-        ckpt_dir = self.ckpt_dir
-        with tempfile.TemporaryDirectory(dir=ckpt_dir.parent if ckpt_dir.parent.exists() else None) as tmp:
-            self.ckpt_dir = Path(tmp)
-            t0 = time.perf_counter()
-            self.save_checkpoint()
-            checkpoint = time.perf_counter() - t0
-        self.ckpt_dir = ckpt_dir
-        return phase_costs(timings, switch, self.objective.later_phase(), validation, checkpoint)
+        """A time budget's probe of this trainer (:func:`.probe.measure`)."""
+        return probe.measure(self, steps, within)
 
     def run(self) -> TrainResult:
         cfg, obj = self.cfg, self.objective

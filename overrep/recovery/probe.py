@@ -1,0 +1,66 @@
+"""A time budget's probe: what a step of each phase, a validation and a checkpoint cost, timed
+on real steps of a trainer built for the purpose (:func:`overrep.app.budgeting.probe_costs`
+builds it on a copy of the model and throws it away)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from .budget import StepCosts, phase_costs
+
+#: the share of its rows a budget's probe validates on to time one validation (scaled up)
+VALIDATION_PROBE_FRACTION = 0.25
+
+
+def measure(trainer, steps: int = 3, within: float | None = None) -> StepCosts:
+    """Time ``steps`` real steps of ``trainer`` (a :class:`~overrep.recovery.trainer.Trainer`) in each
+    of its :meth:`~overrep.recovery.trainer.Trainer.stretches`, priced per phase of the
+    objective (:func:`~overrep.recovery.budget.phase_costs`; ``anneal``: the first stretch,
+    where a run starts and its re-fits time it), one validation (on
+    :data:`VALIDATION_PROBE_FRACTION` of its rows, scaled up) and one checkpoint. It changes
+    the weights: the caller rebuilds the recovery afterwards.
+
+    ``within``: the seconds the timed steps of all stretches together may take (a share of
+    a short budget, :data:`~overrep.app.budgeting.PROBE_SHARE`): fewer than ``steps`` a
+    stretch where its first, untimed step says they would take longer, never fewer than one.
+    At one minute on a 2-core CPU three timed steps in each of three stretches had taken
+    about 24 s, as many steps as the run then trained; the re-fits time the real ones."""
+    trainer.objective.train(True)
+    spans = trainer.stretches()
+
+    def timed(at: int) -> float:
+        trainer.step = at
+        trainer.objective.after_optimizer_step(at - 1)  # the objective's phase at that step
+        t0 = time.perf_counter()
+        trainer._step()  # untimed: the first step at a new phase pays one-off costs
+        first = time.perf_counter() - t0
+        n = steps if within is None else max(1, min(steps, int(within / len(spans) / max(first, 1e-6))))
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            trainer._step()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]  # the median: of two, the slower had put a ce step at 3.6 s for 2.1
+
+    timings = [(at, share, timed(at)) for at, share in spans]
+    switch = min(trainer.objective.phase_starts(), default=None)
+    trainer.objective.after_optimizer_step(-1)
+    trainer.step = 0
+    # a quarter of the rows, scaled up: at a short budget a whole validation, timed only to
+    # learn what one costs, was up to a fifth of the budget
+    with trainer.objective.validation_sample(VALIDATION_PROBE_FRACTION) as scale:
+        t0 = time.perf_counter()
+        trainer.objective.validation_loss()
+        trainer.objective.validation_ppl()
+        validation = (time.perf_counter() - t0) * scale
+    ckpt_dir = trainer.ckpt_dir
+    with tempfile.TemporaryDirectory(dir=ckpt_dir.parent if ckpt_dir.parent.exists() else None) as tmp:
+        trainer.ckpt_dir = Path(tmp)
+        t0 = time.perf_counter()
+        trainer.save_checkpoint()
+        checkpoint = time.perf_counter() - t0
+    trainer.ckpt_dir = ckpt_dir
+    return phase_costs(timings, switch, trainer.objective.later_phase(), validation, checkpoint)
+
