@@ -37,6 +37,7 @@ def measure(trainer, steps: int = 3, within: float | None = None) -> StepCosts:
         trainer._step()  # untimed: the first step at a new phase pays one-off costs
         first = time.perf_counter() - t0
         n = steps if within is None else max(1, min(steps, int(within / len(spans) / max(first, 1e-6))))
+        n = trainer.world.broadcast(n)  # rank 0's count: every rank takes the same steps (their collectives pair up)
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
