@@ -524,6 +524,27 @@ def test_a_run_stopped_at_its_deadline_validates_the_step_it_stops_at(assets, tm
     assert m["merge_max_rel_diff"] <= 1e-5
 
 
+def test_a_validation_slower_than_the_probe_said_is_priced_at_its_own_seconds(assets, tmp_path, monkeypatch):
+    """The probe scales a quarter of the rows up to price a validation; a real one can take
+    longer. A warm start validates its closed form first, and from then on the run reserves
+    what that validation took, so the last one still ends inside the budget (before, a
+    2.5-minute run priced it at 9.9 s, let one more step through and ended 4 s over)."""
+    from overrep.recovery.objectives import Layerwise
+
+    slow_steps(monkeypatch, 0.3, validation=0.1)  # the probe says 0.1 s
+    real = Layerwise.validation_loss
+    monkeypatch.setattr(Layerwise, "validation_loss", lambda self: (time.sleep(1.5), real(self))[1])  # it takes 1.5
+    out = tmp_path / "run"
+    m = Pipeline(tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                          recovery__time_budget="6s", recovery__checkpoint_every=1000,
+                          recovery__warm_start="replaceme"), progress=False).run()
+    tb = m["time_budget"]
+    assert tb["used_seconds"] <= 6.0 + 0.1, tb
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    scored = [r for r in log if r.get("val_ppl") is not None]
+    assert scored and scored[-1]["step"] == m["train_steps"] and scored[-1]["val_seconds"] >= 1.5
+
+
 def test_the_probe_times_a_validation_on_a_sample_of_its_rows():
     """A budget learns what a validation costs from a quarter of its rows, scaled up, not from
     a whole one (at a short budget a whole one was up to a fifth of it); the rows are all back
