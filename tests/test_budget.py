@@ -412,6 +412,31 @@ def test_a_second_refit_catches_steps_that_got_faster(assets, tmp_path, monkeypa
     assert second["steps"] > first["steps"] and m["train_steps"] == second["steps"]
 
 
+def test_a_run_priced_alike_throughout_goes_on_refitting_at_doubling_steps(assets, tmp_path, monkeypatch):
+    """LoRA (no α phases, one loss): steps slow until the second re-fit and fast after it are
+    caught by a third, at twice the second's step, which takes more steps; a run whose
+    stretches price differently (OverRep's α phases) stays at two (the test above)."""
+    no_deadline_stop(monkeypatch)
+    from overrep.recovery.trainer import Trainer
+
+    real_step = Trainer._step
+
+    def step(self):
+        if self.refit is None or len(self.refit["at"]) < 2:  # slow until the second re-fit
+            time.sleep(0.3)
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "_step", step)
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.3, 0.0, 0.0, anneal=0.3))
+    cfg = tiny_cfg(assets, tmp_path / "lora", eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                   recovery__time_budget="8s", recovery__method="lora")
+    m = Pipeline(cfg, progress=False).run()
+    at = m["time_budget"]["refit"]["at"]
+    assert len(at) >= 3 and at[1]["step"] == 2 * at[0]["step"] and at[2]["step"] == 2 * at[1]["step"]
+    assert at[2]["seconds_per_step"] < at[1]["seconds_per_step"] - 0.2 and at[2]["steps"] > at[1]["steps"]
+    assert m["train_steps"] == at[-1]["steps"]
+
+
 @pytest.mark.parametrize("method", ["overrep", "lora", "overrep-warm"])
 def test_a_budget_is_fitted_once_and_no_stage_runs_twice(assets, tmp_path, monkeypatch, method):
     """The fit measures a copy of the pruned model between pruning and the method's set-up:
