@@ -207,12 +207,12 @@ class Deadline:
     def refit_steps(self, total: int) -> tuple[int, int]:
         """The steps after which to re-fit: :data:`REFIT_STEPS` (fewer in a short run), and
         twice that, timed on the steps since the first. A run whose steps the probe priced
-        alike throughout (one stretch: no α phases, no later loss) goes on re-fitting at twice
-        the step of the last re-fit, each time on the steps since it: OverRep-KD's second re-fit
-        at 5 minutes had timed 8.98-s steps and cut the run to 22, its later steps took 8.1 s, and
-        34 s of its 300 went unused. (Where steps are priced by stretch, a re-fit scales them all
-        by the first stretch's, so it cannot be timed in another; a later loss phase has its own,
-        :func:`refit_late_phase`.)"""
+        alike throughout (one stretch: no α phases, no later loss; LoRA and the language-modelling
+        baselines) goes on re-fitting at twice the step of the last re-fit, each time on the steps
+        since it: LoRA-iso's steps of about 4 s at the 50% mask had left 25 s of a 5-minute budget
+        unused after two re-fits. (Where steps are priced by stretch, OverRep's α phases and so
+        OverRep-KD, a re-fit scales them all by the first stretch's, so it is not timed in
+        another; a later loss phase has its own, :func:`refit_late_phase`.)"""
         first = max(3, min(REFIT_STEPS, total // 10))
         return first, 2 * first
 
