@@ -206,15 +206,20 @@ class Deadline:
 
     def refit_steps(self, total: int) -> tuple[int, int]:
         """The steps after which to re-fit: :data:`REFIT_STEPS` (fewer in a short run), and
-        twice that, timed on the steps since the first. A run whose steps the probe priced
-        alike throughout (one stretch: no α phases, no later loss; LoRA and the language-modelling
-        baselines) goes on re-fitting at twice the step of the last re-fit, each time on the steps
-        since it: LoRA-iso's steps of about 4 s at the 50% mask had left 25 s of a 5-minute budget
-        unused after two re-fits. (Where steps are priced by stretch, OverRep's α phases and so
-        OverRep-KD, a re-fit scales them all by the first stretch's, so it is not timed in
-        another; a later loss phase has its own, :func:`refit_late_phase`.)"""
+        twice that, timed on the steps since the first (then :meth:`next_refit`)."""
         first = max(3, min(REFIT_STEPS, total // 10))
         return first, 2 * first
+
+    def next_refit(self, step: int, total: int, uniform: bool) -> int | None:
+        """After the scheduled re-fits, the step of the next one (None: none). A run whose steps
+        the probe priced alike throughout (``uniform``: one stretch, no α phases and no later
+        loss; LoRA and the language-modelling baselines) goes on re-fitting at twice the step of
+        the last re-fit, each time on the steps since it: LoRA-iso's steps of about 4 s at the 50%
+        mask had left 25 s of a 5-minute budget unused after two re-fits. Where steps are priced by
+        stretch (OverRep's α phases, and so OverRep-KD) a re-fit scales them all by the first
+        stretch's, so it is not timed in another; a later loss phase has its own,
+        :func:`refit_late_phase`."""
+        return 2 * step if uniform and 2 * step < total else None
 
     def steps_left(self, seconds_per_step: float, now: float, done: int = 0, rows: int | None = None,
                    cached: int | None = None) -> int:

@@ -274,7 +274,7 @@ class Trainer:
         bar = tqdm(total=self.total, initial=self.step, desc="recovery", unit="step",
                    disable=not (self.progress and self.world.is_main), dynamic_ncols=True)
         refit_at = list(self.deadline.refit_steps(self.total)) if self.deadline and self.objective.retargetable else []
-        uniform = len(self.stretches()) == 1  # one price a step throughout: re-fits go on (below)
+        uniform = len(self.stretches()) == 1  # one price a step throughout: Deadline.next_refit
         if self.step == 0:
             self.score_the_start()
         step_seconds: list[float] = []
@@ -290,8 +290,8 @@ class Trainer:
                 if refit_at and self.step == refit_at[0] < self.total:  # a run that short has nothing to re-fit
                     refit_to_deadline(self, step_seconds[timed_from:] or step_seconds)
                     timed_from, bar.total = len(step_seconds), self.total
-                    if uniform and len(refit_at) == 1 and 2 * self.step < self.total:
-                        refit_at.append(2 * self.step)  # at doubling intervals (budget.Deadline.refit_steps)
+                    later = self.deadline.next_refit(self.step, self.total, uniform) if len(refit_at) == 1 else None
+                    refit_at += [later] if later else []
                 refit_at = [s for s in refit_at if s > self.step]
                 if refit_at == [] and self.deadline and obj.retargetable and phase is not None:
                     phase_from = refit_late_phase(self, phase, phase_from, step_seconds)
