@@ -155,6 +155,7 @@ def test_a_warm_start_can_end_at_the_closed_form_it_started_from(assets, tmp_pat
     m = Pipeline(tiny_cfg(assets, out, recovery__steps=6, recovery__eval_every=2, recovery__warm_start="replaceme",
                           eval__latency=False), progress=False).run()
     assert m["warm_start"]["used"] == "replaceme"
+    assert m["keep_best"].pop("start_val_seconds") >= 0  # scoring the closed form is timed, inside the budget
     assert m["keep_best"] == {"step": 0, "val_ppl": 3.0, "last_step": 6, "last_val_ppl": 9.4, "start_val_ppl": 3.0}
     assert "kept the closed form it started from" in (out / "report.md").read_text()
     closed = tmp_path / "c"  # the same closed form, fitted with no training at all
@@ -169,6 +170,7 @@ def test_training_that_passes_the_closed_form_keeps_its_step_and_says_what_it_be
     scripted["script"] = {0: 9.0, 2: 8.0, 4: 5.0, 6: 6.0}
     m = Pipeline(tiny_cfg(assets, tmp_path / "p", recovery__method="plain", recovery__steps=6, recovery__eval_every=2,
                           recovery__warm_start="replaceme", eval__latency=False), progress=False).run()
+    assert m["keep_best"].pop("start_val_seconds") >= 0
     assert m["keep_best"] == {"step": 4, "val_ppl": 5.0, "last_step": 6, "last_val_ppl": 6.0, "start_val_ppl": 9.0}
     assert "the closed form it started from: 9" in (tmp_path / "p" / "report.md").read_text()
 
@@ -177,4 +179,4 @@ def test_a_cold_start_does_not_score_its_start(assets, tmp_path, scripted):
     scripted["script"] = {2: 8.0, 4: 5.0}
     m = Pipeline(tiny_cfg(assets, tmp_path / "c", recovery__steps=4, recovery__eval_every=2,
                           recovery__warm_start="none", eval__latency=False), progress=False).run()
-    assert 0 not in scripted["seen"] and "start_val_ppl" not in m["keep_best"]
+    assert 0 not in scripted["seen"] and "start_val_ppl" not in m["keep_best"] and "start_val_seconds" not in m["keep_best"]

@@ -105,7 +105,10 @@ def _selection_line(sel: dict | None) -> list[str]:
         return [f"- the last step was not validated (no room before the deadline); the last validation, at step "
                 f"{sel.get('validated_step')}, scored {_fmt(sel.get('validated_ppl'))} (the report's validation "
                 "column scores the model exported)"]
-    start = f"; the closed form it started from: {_fmt(sel['start_val_ppl'])}" if "start_val_ppl" in sel else ""
+    start = ""
+    if "start_val_ppl" in sel:
+        cost = f", scored in {sel['start_val_seconds']:.1f} s of the budget" if "start_val_seconds" in sel else ""
+        start = f"; the closed form it started from: {_fmt(sel['start_val_ppl'])}{cost}"
     if sel["step"] == sel["last_step"]:
         return [f"- validation perplexity {_fmt(sel['val_ppl'])} at the last step (the best foldable one{start})"]
     if sel["step"] == 0:

@@ -68,6 +68,8 @@ class KeepBest:
             self.selected = {"step": best["step"], "val_ppl": best["val_ppl"], "last_step": step, "last_val_ppl": last}
         if self.start is not None and self.start["val_ppl"] is not None:
             self.selected["start_val_ppl"] = self.start["val_ppl"]  # the closed form's own score
+            if self.start.get("val_seconds") is not None:  # and what scoring it cost (inside the budget)
+                self.selected["start_val_seconds"] = self.start["val_seconds"]
 
     def checkpoint(self, step: int, params: list) -> dict:
         """What a checkpoint at ``step`` keeps (every rank calls it: it gathers the shards)."""
