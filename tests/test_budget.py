@@ -377,8 +377,8 @@ def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path
     tb = m["time_budget"]
     refit = tb["refit"]
     assert refit["steps_before"] < refit["steps_after"] == tb["steps"] == m["train_steps"]
-    first, second = refit["at"]  # after the first steps, and as many again timed on the steps in between
-    assert second["step"] == 2 * first["step"] and second["steps"] == refit["steps_after"]
+    first, second = refit["at"][:2]  # after the first steps, and as many again timed on the steps in between
+    assert second["step"] == 2 * first["step"] and refit["at"][-1]["steps"] == refit["steps_after"]
     assert first["seconds_per_step"] < refit["probe_seconds_per_step"] == 0.5
     manifest = json.loads((tmp_path / m["cache"]["path"] / "manifest.json").read_text())
     assert manifest["layout"]["num_samples"] == tb["rows"]  # the cache was built before the re-fit
@@ -406,16 +406,15 @@ def test_a_second_refit_catches_steps_that_got_faster(assets, tmp_path, monkeypa
     cfg = tiny_cfg(assets, tmp_path / "second", eval__perplexity=False, eval__latency=False, recovery__steps=None,
                    recovery__time_budget="8s", recovery__warm_start="none", recovery__loss="normed")
     m = Pipeline(cfg, progress=False).run()
-    first, second = m["time_budget"]["refit"]["at"]
+    first, second = m["time_budget"]["refit"]["at"][:2]
     # the real step's own time (which a loaded machine stretches) is in both; the half second is not
     assert first["seconds_per_step"] >= 0.5 and second["seconds_per_step"] < first["seconds_per_step"] - 0.3
-    assert second["steps"] > first["steps"] and m["train_steps"] == second["steps"]
+    assert second["steps"] > first["steps"] and m["train_steps"] == m["time_budget"]["refit"]["at"][-1]["steps"]
 
 
 def test_a_run_priced_alike_throughout_goes_on_refitting_at_doubling_steps(assets, tmp_path, monkeypatch):
     """LoRA (no α phases, one loss): steps slow until the second re-fit and fast after it are
-    caught by a third, at twice the second's step, which takes more steps; a run whose
-    stretches price differently (OverRep's α phases) stays at two (the test above)."""
+    caught by a third, at twice the second's step, which takes more steps."""
     no_deadline_stop(monkeypatch)
     from overrep.recovery.trainer import Trainer
 
@@ -435,6 +434,35 @@ def test_a_run_priced_alike_throughout_goes_on_refitting_at_doubling_steps(asset
     assert len(at) >= 3 and at[1]["step"] == 2 * at[0]["step"] and at[2]["step"] == 2 * at[1]["step"]
     assert at[2]["seconds_per_step"] < at[1]["seconds_per_step"] - 0.2 and at[2]["steps"] > at[1]["steps"]
     assert m["train_steps"] == at[-1]["steps"]
+
+
+def test_a_run_priced_by_stretch_refits_at_doubling_steps_inside_its_first_stretch(assets, tmp_path, monkeypatch):
+    """OverRep cold (α phases: the final linear stretch priced apart): steps slow until the
+    second re-fit are caught by a third at twice its step, and no re-fit is timed past the end
+    of the first stretch, whose steps price the rest (OverRep-KD had left 28 s of 300 unused
+    with two re-fits)."""
+    no_deadline_stop(monkeypatch)
+    from overrep.recovery.trainer import Trainer
+
+    real_step = Trainer._step
+    ends = []
+
+    def step(self):
+        if self.refit is None or len(self.refit["at"]) < 2:  # slow until the second re-fit
+            time.sleep(0.3)
+        ends.append(self.first_stretch_end())
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "_step", step)
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.3, 0.0, 0.0, anneal=0.3))
+    cfg = tiny_cfg(assets, tmp_path / "kd", eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                   recovery__time_budget="8s", recovery__warm_start="none", recovery__loss="normed")
+    m = Pipeline(cfg, progress=False).run()
+    at = m["time_budget"]["refit"]["at"]
+    assert len(at) >= 3 and at[1]["step"] == 2 * at[0]["step"] and at[2]["step"] == 2 * at[1]["step"]
+    assert at[2]["seconds_per_step"] < at[1]["seconds_per_step"] - 0.2 and at[2]["steps"] > at[1]["steps"]
+    assert all(r["step"] <= ends[r["step"] - 1] for r in at)  # each timed inside the first stretch as it then stood
+    assert ends[-1] < m["train_steps"] == at[-1]["steps"]  # the run has a stretch after it (the linear phase)
 
 
 @pytest.mark.parametrize("method", ["overrep", "lora", "overrep-warm"])

@@ -210,16 +210,16 @@ class Deadline:
         first = max(3, min(REFIT_STEPS, total // 10))
         return first, 2 * first
 
-    def next_refit(self, step: int, total: int, uniform: bool) -> int | None:
-        """After the scheduled re-fits, the step of the next one (None: none). A run whose steps
-        the probe priced alike throughout (``uniform``: one stretch, no α phases and no later
-        loss; LoRA and the language-modelling baselines) goes on re-fitting at twice the step of
-        the last re-fit, each time on the steps since it: LoRA-iso's steps of about 4 s at the 50%
-        mask had left 25 s of a 5-minute budget unused after two re-fits. Where steps are priced by
-        stretch (OverRep's α phases, and so OverRep-KD) a re-fit scales them all by the first
-        stretch's, so it is not timed in another; a later loss phase has its own,
-        :func:`refit_late_phase`."""
-        return 2 * step if uniform and 2 * step < total else None
+    def next_refit(self, step: int, first_end: int) -> int | None:
+        """After the scheduled re-fits, the step of the next one (None: none): twice the step of
+        the last re-fit, each timed on the steps since it, while that step is still inside the
+        run's first stretch (``first_end``: where it ends, the whole run where the probe priced
+        every step alike). LoRA-iso's steps of about 4 s at the 50% mask had left 25 s of a
+        5-minute budget unused after two re-fits, and OverRep-KD's 28 s of 300 (its steps sped up
+        from 8-9 s to 6-7 s after the second). A re-fit prices the stretches not reached by the
+        first stretch's steps, so it is not timed across a stretch's end; a later loss phase has
+        its own, :func:`refit_late_phase`."""
+        return 2 * step if 2 * step < first_end else None
 
     def steps_left(self, seconds_per_step: float, now: float, done: int = 0, rows: int | None = None,
                    cached: int | None = None) -> int:

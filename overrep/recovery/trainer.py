@@ -254,15 +254,23 @@ class Trainer:
         self.objective.after_optimizer_step(self.step)
         return total, gnorm
 
-    def stretches(self) -> list[tuple[int, float]]:
-        """:func:`~overrep.recovery.budget.stretches` of this run: cut where the activations'
-        final linear phase begins (folded projections are cheaper) and where an ``A>B`` loss
-        switches (a loss through the frozen tail costs more than a layer-wise one)."""
+    def stretch_cuts(self) -> list[int]:
+        """Where this run's steps may change cost: where the activations' final linear phase
+        begins (folded projections are cheaper) and where an ``A>B`` loss switches (a loss
+        through the frozen tail costs more than a layer-wise one)."""
         cuts = list(self.objective.phase_starts())
         if self.objective.activations:
             cuts.append(math.ceil(AlphaSchedule(self.total, self.cfg.alpha_warmup_ratio,
                                                 self.cfg.alpha_linear_ratio).decay_end))
-        return stretches(self.total, cuts)
+        return cuts
+
+    def stretches(self) -> list[tuple[int, float]]:
+        """:func:`~overrep.recovery.budget.stretches` of this run, cut at :meth:`stretch_cuts`."""
+        return stretches(self.total, self.stretch_cuts())
+
+    def first_stretch_end(self) -> int:
+        """The step at which this run's first stretch ends (its last step + 1 where it has one)."""
+        return min([c for c in self.stretch_cuts() if 0 < c < self.total], default=self.total)
 
     def measure(self, steps: int = 3, within: float | None = None) -> StepCosts:
         """A time budget's probe of this trainer (:func:`.probe.measure`)."""
@@ -274,7 +282,7 @@ class Trainer:
         bar = tqdm(total=self.total, initial=self.step, desc="recovery", unit="step",
                    disable=not (self.progress and self.world.is_main), dynamic_ncols=True)
         refit_at = list(self.deadline.refit_steps(self.total)) if self.deadline and self.objective.retargetable else []
-        uniform = len(self.stretches()) == 1  # one price a step throughout: Deadline.next_refit
+        scheduled = set(refit_at)  # the later ones (Deadline.next_refit) stay inside the first stretch
         if self.step == 0:
             self.score_the_start()
         step_seconds: list[float] = []
@@ -290,9 +298,10 @@ class Trainer:
                 if refit_at and self.step == refit_at[0] < self.total:  # a run that short has nothing to re-fit
                     refit_to_deadline(self, step_seconds[timed_from:] or step_seconds)
                     timed_from, bar.total = len(step_seconds), self.total
-                    later = self.deadline.next_refit(self.step, self.total, uniform) if len(refit_at) == 1 else None
+                    later = self.deadline.next_refit(self.step, self.first_stretch_end()) if len(refit_at) == 1 else None
                     refit_at += [later] if later else []
-                refit_at = [s for s in refit_at if s > self.step]
+                # a later re-fit whose first stretch a re-fit has since ended before it times nothing it prices
+                refit_at = [s for s in refit_at if s > self.step and (s in scheduled or s <= self.first_stretch_end())]
                 if refit_at == [] and self.deadline and obj.retargetable and phase is not None:
                     phase_from = refit_late_phase(self, phase, phase_from, step_seconds)
                     bar.total = self.total
