@@ -387,25 +387,34 @@ def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path
     assert m["merge_max_rel_diff"] <= 1e-5
 
 
+def slow_until_refits(assets, out, monkeypatch, refits: int, pause: float, **cfg):
+    """A budgeted run whose steps take ``pause`` s more until ``refits`` re-fits are done, its
+    probe pricing a step at ``pause``: the run's metrics and each step's first-stretch end."""
+    no_deadline_stop(monkeypatch)
+    from overrep.recovery.trainer import Trainer
+
+    real_step, ends = Trainer._step, []
+
+    def step(self):
+        if self.refit is None or len(self.refit["at"]) < refits:
+            time.sleep(pause)
+        ends.append(self.first_stretch_end())
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "_step", step)
+    monkeypatch.setattr(Trainer, "measure",
+                        lambda self, steps=2, within=None: StepCosts(pause, 0.0, 0.0, anneal=pause))
+    cfg = tiny_cfg(assets, out, eval__perplexity=False, eval__latency=False, recovery__steps=None,
+                   recovery__time_budget="8s", **cfg)
+    return Pipeline(cfg, progress=False).run(), ends
+
+
 def test_a_second_refit_catches_steps_that_got_faster(assets, tmp_path, monkeypatch):
     """Steps that are slow until the first re-fit and fast after it: the first re-fit plans
     for the slow rate, the second, timed on the steps in between, takes more steps (one
     re-fit left LoRA 10% of a CPU budget unused this way)."""
-    no_deadline_stop(monkeypatch)
-    from overrep.recovery.trainer import Trainer
-
-    real_step = Trainer._step
-
-    def step(self):
-        if self.refit is None:  # half a second more a step until the first re-fit
-            time.sleep(0.5)
-        return real_step(self)
-
-    monkeypatch.setattr(Trainer, "_step", step)
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.5, 0.0, 0.0, anneal=0.5))
-    cfg = tiny_cfg(assets, tmp_path / "second", eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="8s", recovery__warm_start="none", recovery__loss="normed")
-    m = Pipeline(cfg, progress=False).run()
+    m, _ = slow_until_refits(assets, tmp_path / "second", monkeypatch, 1, 0.5, recovery__warm_start="none",
+                             recovery__loss="normed")
     first, second = m["time_budget"]["refit"]["at"][:2]
     # the real step's own time (which a loaded machine stretches) is in both; the half second is not
     assert first["seconds_per_step"] >= 0.5 and second["seconds_per_step"] < first["seconds_per_step"] - 0.3
@@ -415,21 +424,7 @@ def test_a_second_refit_catches_steps_that_got_faster(assets, tmp_path, monkeypa
 def test_a_run_priced_alike_throughout_goes_on_refitting_at_doubling_steps(assets, tmp_path, monkeypatch):
     """LoRA (no α phases, one loss): steps slow until the second re-fit and fast after it are
     caught by a third, at twice the second's step, which takes more steps."""
-    no_deadline_stop(monkeypatch)
-    from overrep.recovery.trainer import Trainer
-
-    real_step = Trainer._step
-
-    def step(self):
-        if self.refit is None or len(self.refit["at"]) < 2:  # slow until the second re-fit
-            time.sleep(0.3)
-        return real_step(self)
-
-    monkeypatch.setattr(Trainer, "_step", step)
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.3, 0.0, 0.0, anneal=0.3))
-    cfg = tiny_cfg(assets, tmp_path / "lora", eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="8s", recovery__method="lora")
-    m = Pipeline(cfg, progress=False).run()
+    m, _ = slow_until_refits(assets, tmp_path / "lora", monkeypatch, 2, 0.3, recovery__method="lora")
     at = m["time_budget"]["refit"]["at"]
     assert len(at) >= 3 and at[1]["step"] == 2 * at[0]["step"] and at[2]["step"] == 2 * at[1]["step"]
     assert at[2]["seconds_per_step"] < at[1]["seconds_per_step"] - 0.2 and at[2]["steps"] > at[1]["steps"]
@@ -441,23 +436,8 @@ def test_a_run_priced_by_stretch_refits_at_doubling_steps_inside_its_first_stret
     second re-fit are caught by a third at twice its step, and no re-fit is timed past the end
     of the first stretch, whose steps price the rest (OverRep-KD had left 28 s of 300 unused
     with two re-fits)."""
-    no_deadline_stop(monkeypatch)
-    from overrep.recovery.trainer import Trainer
-
-    real_step = Trainer._step
-    ends = []
-
-    def step(self):
-        if self.refit is None or len(self.refit["at"]) < 2:  # slow until the second re-fit
-            time.sleep(0.3)
-        ends.append(self.first_stretch_end())
-        return real_step(self)
-
-    monkeypatch.setattr(Trainer, "_step", step)
-    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.3, 0.0, 0.0, anneal=0.3))
-    cfg = tiny_cfg(assets, tmp_path / "kd", eval__perplexity=False, eval__latency=False, recovery__steps=None,
-                   recovery__time_budget="8s", recovery__warm_start="none", recovery__loss="normed")
-    m = Pipeline(cfg, progress=False).run()
+    m, ends = slow_until_refits(assets, tmp_path / "kd", monkeypatch, 2, 0.3, recovery__warm_start="none",
+                                recovery__loss="normed")
     at = m["time_budget"]["refit"]["at"]
     assert len(at) >= 3 and at[1]["step"] == 2 * at[0]["step"] and at[2]["step"] == 2 * at[1]["step"]
     assert at[2]["seconds_per_step"] < at[1]["seconds_per_step"] - 0.2 and at[2]["steps"] > at[1]["steps"]
