@@ -469,12 +469,22 @@ def test_a_budget_is_fitted_once_and_no_stage_runs_twice(assets, tmp_path, monke
     monkeypatch.setattr(pipeline, "build_recovery", counted("build", pipeline.build_recovery))
     monkeypatch.setattr(Trainer, "measure", counted("measure", Trainer.measure))
     monkeypatch.setattr(closed_form, "fit_and_fold", counted("fit", closed_form.fit_and_fold))
+    import overrep.recovery.teacher as teacher
+    from overrep.memo import tensor_digest
+    forwards = []  # the rows of every dense forward for features: the method reads the probe's, never again
+
+    def features(model, ids, *a, **k):
+        forwards.append(tensor_digest(ids))
+        return features.real(model, ids, *a, **k)
+    features.real = teacher.teacher_features
+    monkeypatch.setattr(teacher, "teacher_features", features)
     warm = method == "overrep-warm"  # the default (auto) warm-starts OverRep on this model; "overrep": cold
     start = {} if warm else {"recovery__warm_start": "none"}
     cfg = tiny_cfg(assets, tmp_path / method, eval__perplexity=False, eval__latency=False, recovery__steps=None,
                    recovery__time_budget="5s", recovery__method=method.removesuffix("-warm"), **start)
     m = Pipeline(cfg, progress=False).run()
     assert calls == {"prune": 1, "probe": 1, "build": 1, "measure": 1, "fit": int(warm)}
+    assert len(forwards) == len(set(forwards)) and (method == "lora" or forwards)
     if warm:  # the exported model's provenance names the fit it started from
         provenance = json.loads((tmp_path / method / "model" / "overrep.json").read_text())
         assert provenance["recovery"]["warm_start"]["kind"] == "lstsq"

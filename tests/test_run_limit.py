@@ -98,3 +98,69 @@ def test_the_final_evaluation_is_predicted_from_the_dense_one_by_macs():
     assert predict_final_eval(p) == pytest.approx(80 * tail + 20 * compact)
     p.eval_cost["dense"] = None  # cached before its cost was kept: unknown
     assert predict_final_eval(p) is None
+
+
+def _limited(p, *, limit="20m", budget="12m", elapsed=100.0, dense_rows=90.0, final=60.0):
+    """A stand-in pipeline for :func:`unrecovered_rows`: the tiny llama pruned at 3-4, the
+    dense rows' cost over 4 test, 4 validation and 4 unseen rows of 32 tokens."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from overrep.model.surgery import plan_pruning, prune
+    from tiny import tiny_model
+
+    rows = torch.zeros(4, 32, dtype=torch.long)
+    p.update(dense=tiny_model("llama"), pruned=prune(tiny_model("llama"), plan_pruning(6, [3, 4], blocks=1)),
+             eval_rows_cost={"dense": dense_rows}, eval_cost={"dense": None if dense_rows is None else dense_rows + final},
+             eval_data=SimpleNamespace(test=rows, validation=rows, unseen={"sciq": (rows, rows)}),
+             shared_prefix=SimpleNamespace(start=3), run_started=time.perf_counter() - elapsed,
+             cfg=SimpleNamespace(data=SimpleNamespace(seq_len=32), recovery=SimpleNamespace(
+                 resolved_run_limit=limit, time_budget=budget)))
+    return SimpleNamespace(**p)
+
+
+def test_auto_scores_the_unrecovered_test_rows_only_where_the_budget_stays_whole():
+    """eval.unrecovered: auto -- test rows (predicted from the dense rows' cost per token, by the
+    pruned model's MACs after the shared prefix) where the limit still leaves the whole budget,
+    else validation only and why; no limit or no known cost: test, as before."""
+    from overrep.app.budgeting import unrecovered_rows, unrecovered_test_cost
+
+    p = _limited({})
+    test, validation = unrecovered_test_cost(p)
+    tail = per_token_macs(p.pruned, 32, 3) / per_token_macs(p.dense, 32)
+    assert test == pytest.approx(30 * tail) and validation == pytest.approx(30 * tail)
+    assert unrecovered_rows(p) == ("test", None)  # 1,164 s - 100 - the final evaluation - the rows: over 720 s
+    room = 1200 * (1 - RUN_LIMIT_RESERVE) - predict_final_eval(p) - 720 - 2 * 30 * tail  # seconds elapsed it affords
+    scored, why = unrecovered_rows(_limited({}, elapsed=room + 5))  # 5 s short with the test rows
+    assert scored == "validation" and "would have cut the 720-s time budget" in why and "eval.unrecovered=test" in why
+    assert unrecovered_rows(_limited({}, elapsed=room - 5))[0] == "test"
+    assert unrecovered_rows(_limited({}, limit=None, elapsed=5000)) == ("test", None)
+    assert unrecovered_rows(_limited({}, elapsed=5000, dense_rows=None)) == ("test", None)
+
+
+def test_a_tight_limit_scores_the_unrecovered_model_on_validation_and_reads_its_test_rows_back_once_cached(
+        assets, tmp_path, monkeypatch):
+    """The wiring: a limit that would cut the budget leaves the unrecovered model's test figure
+    out (metrics, report and the recovery check on validation say so); once a run has cached
+    it, the same tight run reads it back."""
+    import overrep.app.budgeting as budgeting
+
+    monkeypatch.setattr(budgeting, "cut_to_run_limit", lambda budget, limit, elapsed, final_eval: (
+        2.0, {"seconds": limit, "elapsed_before_recovery": elapsed, "predicted_final_eval_seconds": final_eval,
+              "budget_asked": budget, "cut_to": 2.0}))
+    monkeypatch.setattr(budgeting, "MIN_BUDGET_STEPS", 1)
+    kw = dict(recovery__steps=None, recovery__time_budget="1h", recovery__run_limit="20m", recovery__warm_start="none",
+              eval__latency=False)
+    m = Pipeline(tiny_cfg(assets, tmp_path / "tight", **kw), progress=False).run()
+    assert m["pruned_ppl"] is None and m["pruned_perplexity"]["test"] is None and "pruned_ppl_domains" not in m
+    assert m["pruned_perplexity"]["validation"]["value"] > 0 and m["recovery_check"]["split"] == "validation"
+    assert m["unrecovered_rows"]["scored"] == "validation" and "would have cut" in m["unrecovered_rows"]["why"]
+    report = (tmp_path / "tight" / "report.md").read_text()
+    assert "scored on the validation rows only: its test rows (about" in report
+    whole = Pipeline(tiny_cfg(assets, tmp_path / "whole", eval__latency=False, eval__unrecovered="test"),
+                     progress=False).run()
+    again = Pipeline(tiny_cfg(assets, tmp_path / "again", **kw), progress=False).run()
+    assert again["pruned_ppl"] == whole["pruned_ppl"] is not None and "unrecovered_rows" not in again
+    assert again["pruned_perplexity"]["validation"] == m["pruned_perplexity"]["validation"]

@@ -130,6 +130,42 @@ def predict_final_eval(p) -> float | None:
     return rows * tail + (dense - rows) * compact
 
 
+def unrecovered_test_cost(p) -> tuple[float | None, float | None]:
+    """``(test, validation)``: the seconds pipeline ``p``'s unrecovered model should take on the
+    test and on the validation rows, from what the dense model's perplexity rows took per token,
+    scaled by the MACs per token of the pruned model's blocks after the shared prefix and its
+    head (:func:`predict_final_eval`'s scaling); ``(None, None)`` where the dense cost is unknown."""
+    d, dense_rows = p.eval_data, p.eval_rows_cost.get("dense")
+    tokens = d.test.numel() + d.validation.numel() + sum(rows.numel() for rows, _ in d.unseen.values())
+    if not dense_rows or not tokens:
+        return None, None
+    seq_len, start = p.cfg.data.seq_len, p.shared_prefix.start if p.shared_prefix is not None else 0
+    per_token = dense_rows / tokens * per_token_macs(p.pruned, seq_len, start) / per_token_macs(p.dense, seq_len)
+    return per_token * d.test.numel(), per_token * d.validation.numel()
+
+
+def unrecovered_rows(p) -> tuple[str, str | None]:
+    """``eval.unrecovered: auto`` made concrete for pipeline ``p`` (rank 0): ``("test", None)``
+    where no run limit applies, where its cost is unknown, where scoring the unrecovered model's
+    test rows still leaves the whole ``recovery.time_budget`` inside ``recovery.run_limit``
+    (:func:`cut_to_run_limit`'s arithmetic, with the final evaluation predicted), else
+    ``("validation", why)``: the seconds go to training, and the report's recovery check reads
+    validation. The caller reads a cached test figure back whatever this says."""
+    r = p.cfg.recovery
+    limit = r.resolved_run_limit
+    final = predict_final_eval(p)
+    test, validation = unrecovered_test_cost(p)
+    if limit is None or p.run_started is None or r.time_budget is None or final is None or test is None:
+        return "test", None
+    elapsed = time.perf_counter() - p.run_started
+    left = parse_duration(limit, "recovery.run_limit") * (1 - RUN_LIMIT_RESERVE) - elapsed - validation - test - final
+    budget = parse_duration(r.time_budget)
+    if left >= budget:
+        return "test", None
+    return "validation", (f"its test rows (about {test:.0f} s) would have cut the {budget:.0f}-s time budget to fit "
+                          f"recovery.run_limit {limit}; --set eval.unrecovered=test scores them")
+
+
 def run_limit_budget(p) -> tuple[float | None, dict | None]:
     """Pipeline ``p``'s time budget under ``recovery.run_limit`` as ``(seconds, record)``, the
     seconds None where the limit leaves the budget whole; ``(None, None)`` where no limit

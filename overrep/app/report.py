@@ -180,6 +180,13 @@ def recovery_check(m: dict) -> dict:
     return {}
 
 
+def _unrecovered_lines(rows: dict | None) -> list[str]:
+    """Why the unrecovered model has no test figure (``eval.unrecovered``), where it has none."""
+    if not rows or rows.get("scored") != "validation":
+        return []
+    return [f"The pruned model without recovery was scored on the validation rows only: {rows['why']}.", ""]
+
+
 def _check_lines(check: dict | None) -> list[str]:
     if not check or not check.get("worse_than_unrecovered"):
         return []
@@ -219,7 +226,7 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
           f"{format_interval(_fig(m, tag, 'test_vs_dense', 'ratio'), 3)} "
           f"| {_fmt(c)} | {l} | {_fmt(None if t is None else 1000 * t, 3)} |"
           for (n, p, c, l, t), tag in zip(rows, ("dense", "pruned", "recovered"))],
-        "", *_check_lines(m.get("recovery_check")),
+        "", *_unrecovered_lines(m.get("unrecovered_rows")), *_check_lines(m.get("recovery_check")),
         f"Test text: {cfg.data.heldout_sequences} sequences of {cfg.data.seq_len} tokens from `{cfg.data.source}` "
         f"({_fmt((m.get('data') or {}).get('test_tokens'))} tokens); validation: {cfg.data.validation_sequences} "
         "sequences; train, validation and test share no document, and nothing that trains or chooses reads "

@@ -9,14 +9,38 @@ evaluation from the dense model's.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from ..core.precision import resolve_precision
-from ..eval.figures import model_benchmarks, model_figures
+from ..eval.figures import figures_path, model_benchmarks, model_figures
 from ..eval.measure import generation_latency
 from ..eval.retained import retained_performance
 from ..model import onload
 from ..model.wrap import count_parameters
+from .budgeting import unrecovered_rows
+
+log = logging.getLogger("overrep.app.pipeline")
+
+
+def unrecovered_data(p, model, precision: str):
+    """The rows pipeline ``p``'s unrecovered ``model`` is scored on (``eval.unrecovered``;
+    ``auto``: :func:`~overrep.app.budgeting.unrecovered_rows`, the test rows read back where
+    they are cached); what ``auto`` left out goes to ``metrics.json`` as ``unrecovered_rows``."""
+    setting, d = p.cfg.eval.unrecovered, p.eval_data
+    if setting == "all":
+        return d
+    if setting == "validation" or (setting == "auto" and d.validation.shape[0]):
+        whole = d.baseline()
+        cached = figures_path(model, whole, tag="pruned", source=p.model_info["source"], mask=p.plan.to_dict(),
+                              root=p.cache_root, precision=precision).is_file()
+        scored, why = ("validation", "eval.unrecovered: validation") if setting == "validation" else (
+            ("test", None) if cached else unrecovered_rows(p))
+        if why:
+            log.info("unrecovered model: validation rows only: %s", why)
+            p.metrics["unrecovered_rows"] = {"setting": setting, "scored": scored, "why": why}
+        return whole if scored == "test" else d.validation_only()
+    return d.baseline()
 
 
 def score_model(p, model, tag: str) -> None:
@@ -29,8 +53,8 @@ def score_model(p, model, tag: str) -> None:
     t0, cost = time.perf_counter(), 0.0  # cost: what the figures cost to compute, cached ones included
     mask, root = tag != "dense" and p.plan.to_dict(), None if tag == "recovered" else p.cache_root
     if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
-        data = p.eval_data.baseline() if tag == "pruned" and ev.unrecovered == "test" else p.eval_data
         p.metrics["eval_precision"] = precision = resolve_precision(ev.precision, p.device)
+        data = unrecovered_data(p, model, precision) if tag == "pruned" else p.eval_data
         found, scores = model_figures(model, p.tokenizer, data, tag=tag, progress=p.progress,
                                       source=p.model_info["source"], mask=mask, root=root, dense=p.dense_scores,
                                       precision=precision, prefix=p.shared_prefix)  # raises on a non-finite perplexity

@@ -55,9 +55,14 @@ class EvalData:
     new_tokens: int = 32
 
     def baseline(self) -> "EvalData":
-        """The rows an unrecovered model is scored on by default (``eval.unrecovered: test``):
-        test and validation, no unseen corpora and no generation check."""
+        """The rows an unrecovered model is scored on by ``eval.unrecovered: test``: test and
+        validation, no unseen corpora and no generation check."""
         return replace(self, unseen={}, lambada=0)
+
+    def validation_only(self) -> "EvalData":
+        """The validation rows alone (``eval.unrecovered: validation``; ``auto`` where scoring the
+        test rows would cut the run's time budget): what the report's recovery check reads."""
+        return replace(self.baseline(), test=self.test[:0], test_units=self.test_units[:0])
 
     def fingerprint(self) -> dict:
         return {"test": tensor_digest(self.test), "test_units": tensor_digest(self.test_units),
@@ -86,9 +91,11 @@ def score(model, tokenizer, data: EvalData, *, desc: str = "", progress: bool = 
 
 def _score(model, tokenizer, data: EvalData, desc: str, progress: bool, prefix: SharedPrefix | None) -> dict:
     t0 = time.perf_counter()
-    strata, _ = row_strata(data.components, "test_rows", data.test.shape[0])
-    out = {"test": score_rows(model, data.test, data.test_units, strata, desc=f"test {desc}",
-                              progress=progress, prefix=prefix).to_state()}
+    out = {}
+    if data.test.shape[0]:  # (none: EvalData.validation_only)
+        strata, _ = row_strata(data.components, "test_rows", data.test.shape[0])
+        out["test"] = score_rows(model, data.test, data.test_units, strata, desc=f"test {desc}",
+                                 progress=progress, prefix=prefix).to_state()
     if data.validation.shape[0]:
         vstrata, _ = row_strata(data.components, "validation_rows", data.validation.shape[0])
         out["validation"] = score_rows(model, data.validation, data.validation_units, vstrata,
@@ -131,17 +138,16 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     if root is None:
         scores = compute()
     else:
-        key = {"model": model_fingerprint(model, source), "mask": mask, "dtype": str(model.dtype),
-               "precision": precision, "data": data.fingerprint(), "protocol": PROTOCOL, "resamples": RESAMPLES}
-        scores = memoised(Path(root) / "eval" / f"{tag}-{digest(key)}.pt", compute, f"{tag} evaluation")[0]
-    test = Scored.from_state(scores["test"])
-    _, names = row_strata(data.components, "test_rows", data.test.shape[0])
+        path = figures_path(model, data, tag=tag, source=source, mask=mask, root=root, precision=precision)
+        scores = memoised(path, compute, f"{tag} evaluation")[0]
+    test = Scored.from_state(scores["test"]) if "test" in scores else None
+    _, names = row_strata(data.components, "test_rows", data.test.shape[0]) if test is not None else (None, [])
     validation = scores.get("validation")
-    fig = {"test": perplexity_interval(test),
+    fig = {"test": perplexity_interval(test) if test is not None else None,
            "validation": perplexity_interval(Scored.from_state(validation)) if validation is not None else None,
            "domains": {n: perplexity_interval(test.select(i)) for i, n in enumerate(names)},
            "unseen": {n: perplexity_interval(Scored.from_state(s)) for n, s in scores["unseen"].items()}}
-    if dense is not None:
+    if dense is not None and test is not None:
         dense_test = Scored.from_state(dense["test"])
         fig["test_vs_dense"] = paired_ratio(test, dense_test)
         fig["domains_vs_dense"] = {n: paired_ratio(test.select(i), dense_test.select(i))["ratio"]
@@ -149,12 +155,20 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
         fig["unseen_vs_dense"] = {n: paired_ratio(Scored.from_state(s), Scored.from_state(dense["unseen"][n]))["ratio"]
                                   for n, s in scores["unseen"].items() if n in dense.get("unseen", {})}
     require_finite(fig, tag)
-    out = {f"{tag}_ppl": fig["test"]["value"], f"{tag}_perplexity": fig}
+    out = {f"{tag}_ppl": fig["test"]["value"] if test is not None else None, f"{tag}_perplexity": fig}
     if fig["domains"] or fig["unseen"]:
         out[f"{tag}_ppl_domains"] = {n: f["value"] for n, f in {**fig["domains"], **fig["unseen"]}.items()}
     if "generation" in scores:
         out[f"{tag}_generation"] = scores["generation"]
     return out, scores
+
+
+def figures_path(model, data: EvalData, *, tag: str, source: str, mask: dict | None, root: Path,
+                 precision: str = "fp32") -> Path:
+    """Where :func:`model_figures` caches ``model``'s scores on ``data`` under ``root``."""
+    key = {"model": model_fingerprint(model, source), "mask": mask, "dtype": str(model.dtype),
+           "precision": precision, "data": data.fingerprint(), "protocol": PROTOCOL, "resamples": RESAMPLES}
+    return Path(root) / "eval" / f"{tag}-{digest(key)}.pt"
 
 
 def require_finite(fig: dict, tag: str) -> None:

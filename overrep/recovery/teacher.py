@@ -25,6 +25,7 @@ from ..model.prefix import SharedPrefix
 from ..model.hooks import teacher_features
 from ..model.placement import input_device
 from ..model.streaming import stream_features
+from ..memo import tensor_digest
 from ..model.runtime import digest
 from ..model.surgery import PrunePlan
 
@@ -57,6 +58,10 @@ class Teacher:
     world: World = SINGLE  # several ranks build the disk cache together (overrep.distributed)
     stream_from: Path | None = None  # a safetensors folder: features by streaming its blocks (overrep.model.streaming)
     precision: str = "fp32"  # the dense forward's: recovery.precision, resolved ("bf16": under bf16 autocast)
+    #: features a budget's probe computed (its training rows, the validation rows), by rows' digest: the
+    #: method built after it reads them instead of running the dense model on those rows again (a probe's
+    #: copy, ``dataclasses.replace``, shares this dict); emptied once the feature cache is built
+    kept: dict = field(default_factory=dict, repr=False)
     cache: Any = field(default=None, repr=False)
     #: every training row of the data; ``train_ids`` are the first of them, the ones cached
     all_ids: torch.Tensor | None = field(default=None, repr=False)
@@ -87,10 +92,20 @@ class Teacher:
             if self.stream_from is not None:
                 return stream_features(self.stream_from, ids.cpu(), groups, dtype=self.dense.dtype,
                                        batch=TEACHER_BATCH, outside_from=self.dense, device=device)
-            parts = [teacher_features(self.dense, ids[i:i + TEACHER_BATCH], groups, inputs_only)
-                     for i in range(0, ids.shape[0], TEACHER_BATCH)]
+            parts = [self._features(ids[i:i + TEACHER_BATCH], inputs_only) for i in range(0, ids.shape[0], TEACHER_BATCH)]
         keys = ("inputs",) if inputs_only else ("inputs", "targets")
         return [{k: torch.cat([p[g][k] for p in parts]) for k in keys} for g in range(len(groups))]
+
+    def _features(self, ids: torch.Tensor, inputs_only: bool) -> list[dict]:
+        """One batch's features: :attr:`kept` ones (a probe's, the same rows in the same
+        batches: the same figures), else computed, and kept when a probe computes them."""
+        key = tensor_digest(ids)
+        got = self.kept.get((key, False)) or self.kept.get((key, inputs_only))
+        if got is None:
+            got = teacher_features(self.dense, ids, self.plan.groups, inputs_only)
+            if self.mode == "probe":
+                self.kept[(key, inputs_only)] = got
+        return got
 
     @property
     def live_share(self) -> float:
@@ -133,6 +148,7 @@ class Teacher:
                                    dtype=FEATURE_DTYPES[self.dtype], produce=produce, tensors=names,
                                    rebuild=self.rebuild, progress=self.progress, world=self.world)
         self.seconds += time.perf_counter() - t0
+        self.kept.clear()  # (the probe's features of the training rows are in the cache now)
 
         def cached(idx: list[int]) -> list[dict]:
             got = self.cache.get(idx)
