@@ -100,7 +100,7 @@ def test_the_final_evaluation_is_predicted_from_the_dense_one_by_macs():
     assert predict_final_eval(p) is None
 
 
-def _limited(p, *, limit="20m", budget="12m", elapsed=100.0, dense_rows=90.0, final=60.0):
+def _limited(p, *, limit="20m", budget="12m", elapsed=100.0, dense_rows=90.0, final=60.0, steps=None):
     """A stand-in pipeline for :func:`unrecovered_rows`: the tiny llama pruned at 3-4, the
     dense rows' cost over 4 test, 4 validation and 4 unseen rows of 32 tokens."""
     import time
@@ -117,7 +117,7 @@ def _limited(p, *, limit="20m", budget="12m", elapsed=100.0, dense_rows=90.0, fi
              eval_data=SimpleNamespace(test=rows, validation=rows, unseen={"sciq": (rows, rows)}),
              shared_prefix=SimpleNamespace(start=3), run_started=time.perf_counter() - elapsed,
              cfg=SimpleNamespace(data=SimpleNamespace(seq_len=32), recovery=SimpleNamespace(
-                 resolved_run_limit=limit, time_budget=budget)))
+                 resolved_run_limit=limit, time_budget=budget, steps=steps)), method=SimpleNamespace(trains=True))
     return SimpleNamespace(**p)
 
 
@@ -138,6 +138,7 @@ def test_auto_scores_the_unrecovered_test_rows_only_where_the_budget_stays_whole
     assert unrecovered_rows(_limited({}, elapsed=room - 5))[0] == "test"
     assert unrecovered_rows(_limited({}, limit=None, elapsed=5000)) == ("test", None)
     assert unrecovered_rows(_limited({}, elapsed=5000, dense_rows=None)) == ("test", None)
+    assert unrecovered_rows(_limited({}, elapsed=5000, steps=100)) == ("test", None)  # no budget for it to cut
 
 
 def test_a_tight_limit_scores_the_unrecovered_model_on_validation_and_reads_its_test_rows_back_once_cached(

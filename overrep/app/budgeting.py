@@ -153,9 +153,12 @@ def unrecovered_rows(p) -> tuple[str, str | None]:
     validation. The caller reads a cached test figure back whatever this says."""
     r = p.cfg.recovery
     limit = r.resolved_run_limit
+    budgeted = r.time_budget is not None and r.steps is None and getattr(p.method, "trains", True)
+    if limit is None or p.run_started is None or not budgeted:  # (a limit cuts nothing but a time budget)
+        return "test", None
     final = predict_final_eval(p)
     test, validation = unrecovered_test_cost(p)
-    if limit is None or p.run_started is None or r.time_budget is None or final is None or test is None:
+    if final is None or test is None:
         return "test", None
     elapsed = time.perf_counter() - p.run_started
     left = parse_duration(limit, "recovery.run_limit") * (1 - RUN_LIMIT_RESERVE) - elapsed - validation - test - final
