@@ -117,7 +117,7 @@ def _limited(p, *, limit="20m", budget="12m", elapsed=100.0, dense_rows=90.0, fi
              eval_data=SimpleNamespace(test=rows, validation=rows, unseen={"sciq": (rows, rows)}),
              shared_prefix=SimpleNamespace(start=3), run_started=time.perf_counter() - elapsed,
              cfg=SimpleNamespace(data=SimpleNamespace(seq_len=32), recovery=SimpleNamespace(
-                 resolved_run_limit=limit, time_budget=budget, steps=steps)), method=SimpleNamespace(trains=True))
+                 resolved_run_limit=limit, time_budget=budget)), budgeted=steps is None)
     return SimpleNamespace(**p)
 
 

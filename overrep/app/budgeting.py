@@ -77,6 +77,12 @@ PROBE_SHARE = 0.05
 RUN_LIMIT_RESERVE = 0.03
 
 
+def limit_left(limit: float, elapsed: float, final_eval: float) -> float:
+    """The seconds a whole-run ``limit`` leaves for recovery after ``elapsed`` and the final
+    evaluation, less :data:`RUN_LIMIT_RESERVE`."""
+    return limit * (1 - RUN_LIMIT_RESERVE) - elapsed - final_eval
+
+
 def cut_to_run_limit(budget: float, limit: float, elapsed: float, final_eval: float | None) -> tuple[float, dict]:
     """The time budget a run affords under a whole-run limit: ``budget`` (seconds), or less
     where ``limit`` minus what the run has spent (``elapsed``, loading, pruning and the baseline
@@ -89,7 +95,7 @@ def cut_to_run_limit(budget: float, limit: float, elapsed: float, final_eval: fl
         log.warning("recovery.run_limit: the final evaluation's cost is unknown (its dense figures were cached "
                     "before their cost was recorded), so the time budget is not cut to fit")
         return budget, record
-    left = limit * (1 - RUN_LIMIT_RESERVE) - elapsed - final_eval
+    left = limit_left(limit, elapsed, final_eval)
     if left >= budget:
         return budget, record
     if left <= 0:
@@ -153,17 +159,15 @@ def unrecovered_rows(p) -> tuple[str, str | None]:
     validation. The caller reads a cached test figure back whatever this says."""
     r = p.cfg.recovery
     limit = r.resolved_run_limit
-    budgeted = r.time_budget is not None and r.steps is None and getattr(p.method, "trains", True)
-    if limit is None or p.run_started is None or not budgeted:  # (a limit cuts nothing but a time budget)
+    if limit is None or p.run_started is None or not p.budgeted:  # (a limit cuts nothing but a time budget)
         return "test", None
     final = predict_final_eval(p)
     test, validation = unrecovered_test_cost(p)
     if final is None or test is None:
         return "test", None
-    elapsed = time.perf_counter() - p.run_started
-    left = parse_duration(limit, "recovery.run_limit") * (1 - RUN_LIMIT_RESERVE) - elapsed - validation - test - final
+    elapsed = time.perf_counter() - p.run_started + validation + test  # as it will stand once they are scored
     budget = parse_duration(r.time_budget)
-    if left >= budget:
+    if limit_left(parse_duration(limit, "recovery.run_limit"), elapsed, final) >= budget:
         return "test", None
     return "validation", (f"its test rows (about {test:.0f} s) would have cut the {budget:.0f}-s time budget to fit "
                           f"recovery.run_limit {limit}; --set eval.unrecovered=test scores them")

@@ -241,7 +241,7 @@ class Pipeline:
         assert self.recovery is None, "the recovery is built once"
         self.recovery_started = t0 = time.perf_counter()  # a time budget counts from here
         r = self.cfg.recovery
-        budgeted = r.time_budget is not None and r.steps is None and self.method.trains  # (a closed form: no steps)
+        budgeted = self.budgeted
         # under a time budget a warm start's map is fitted once the probe has timed its layout
         # (warm_start.fit_budget_warm_or_cold); otherwise once, here
         deferred = budgeted and with_data and fits_warm_start(self.rcfg, self.method)
@@ -273,6 +273,12 @@ class Pipeline:
                             trainable_params=self.recovery.trainable_params, precision=self.rcfg.precision,
                             recovery_ratio=self.recovery.trainable_params / self.metrics["pruned_params"],
                             loss=self.recovery.describe().get("loss"))  # precision: resolved; loss: None for LM/KD
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the recovery trains to ``recovery.time_budget`` (no step count set; a closed form has no steps)."""
+        r = self.cfg.recovery
+        return r.time_budget is not None and r.steps is None and self.method.trains
 
     def method_inputs(self) -> MethodInputs:
         return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,  # probes: never test

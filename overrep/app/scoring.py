@@ -30,17 +30,19 @@ def unrecovered_data(p, model, precision: str):
     setting, d = p.cfg.eval.unrecovered, p.eval_data
     if setting == "all":
         return d
-    if setting == "validation" or (setting == "auto" and d.validation.shape[0]):
-        whole = d.baseline()
-        cached = figures_path(model, whole, tag="pruned", source=p.model_info["source"], mask=p.plan.to_dict(),
-                              root=p.cache_root, precision=precision).is_file()
-        scored, why = ("validation", "eval.unrecovered: validation") if setting == "validation" else (
-            ("test", None) if cached else unrecovered_rows(p))
-        if why:
-            log.info("unrecovered model: validation rows only: %s", why)
-            p.metrics["unrecovered_rows"] = {"setting": setting, "scored": scored, "why": why}
-        return whole if scored == "test" else d.validation_only()
-    return d.baseline()
+    if setting == "test" or not d.validation.shape[0]:  # (validation without rows: refused by the config)
+        return d.baseline()
+    why = "eval.unrecovered: validation"
+    if setting == "auto":
+        if figures_path(model, d.baseline(), tag="pruned", source=p.model_info["source"], mask=p.plan.to_dict(),
+                        root=p.cache_root, precision=precision).is_file():
+            return d.baseline()
+        scored, why = unrecovered_rows(p)
+        if scored == "test":
+            return d.baseline()
+    log.info("unrecovered model: validation rows only: %s", why)
+    p.metrics["unrecovered_rows"] = {"setting": setting, "scored": "validation", "why": why}
+    return d.validation_only()
 
 
 def score_model(p, model, tag: str) -> None:

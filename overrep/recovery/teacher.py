@@ -21,11 +21,11 @@ from torch import nn
 from ..core.precision import autocast
 from ..data.cache import build_or_open
 from ..distributed import SINGLE, World
+from ..memo import tensor_digest
 from ..model.prefix import SharedPrefix
 from ..model.hooks import teacher_features
 from ..model.placement import input_device
 from ..model.streaming import stream_features
-from ..memo import tensor_digest
 from ..model.runtime import digest
 from ..model.surgery import PrunePlan
 
