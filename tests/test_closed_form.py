@@ -151,6 +151,23 @@ def test_prunecomp_matches_the_gap_magnitude_and_linear_patch_hooks_come_off():
         assert not torch.allclose(patched, ref) and torch.equal(pruned(ids).logits, ref)
 
 
+@pytest.mark.parametrize("arch, removed", [("gemma3", [2, 3]), ("qwen3_moe", [2]), ("bamba", [2, 3]),
+                                           ("nemotron_h", [2]), ("llama", [0, 1]), ("llama", [4, 5])])
+def test_linear_patch_applies_wherever_there_is_a_residual_stream(arch, removed):
+    """The patch multiplies the stream at the gap, so it needs no foldable block before it: the
+    architectures and masks ReplaceMe refuses (Gemma's post-norm, experts, a block without an MLP,
+    a gap at block 0) and a gap at the end (the final norm's input) all take it."""
+    dense = tiny_model(arch)
+    plan = plan_pruning(6, removed, blocks=1, block1_init="retained")
+    ids = tiny_ids(4, 16)
+    pruned = prune(copy.deepcopy(dense), plan)
+    with torch.no_grad():
+        ref = pruned(ids).logits
+        hooks = linear_patch(pruned, dense, plan, ids)
+        patched = pruned(ids).logits
+    assert len(hooks) == 1 and torch.isfinite(patched).all() and not torch.allclose(patched, ref)
+
+
 def test_linear_patch_distillation_trains_only_the_patch_and_lowers_the_kl():
     dense = tiny_model("llama")
     plan = plan_pruning(6, [2, 3], blocks=1)
@@ -186,6 +203,26 @@ def test_replaceme_runs_end_to_end_without_training_and_reloads(assets, tmp_path
     reloaded = AutoModelForCausalLM.from_pretrained(out / "model")
     assert reloaded.config.num_hidden_layers == 4
     assert json.loads((out / "model" / "overrep.json").read_text())["method"] == method
+
+
+@pytest.mark.parametrize("method", ["linearpatch", "linearpatch-kd"])
+def test_linear_patch_is_scored_with_its_extra_module_and_never_exported(assets, tmp_path, method):
+    out = tmp_path / method
+    p = Pipeline(tiny_cfg(assets, out, recovery__method=method, recovery__closed_rows=8, recovery__patch_kd_topk=8,
+                          eval__latency=False), progress=False)
+    m = p.run()
+    assert m["exportable"] is False and m["model_dir"] is None and not (out / "model").exists()
+    assert m["train_steps"] == 0 and m["trainable_params"] == 0 and m["extra_params"] == 32 * 32
+    assert m["recovered_ppl"] != m["pruned_ppl"] and m["closed_form"]["patches"] == 1
+    test = m["recovered_perplexity"]["test"]
+    assert test["low"] <= test["value"] <= test["high"] and "validation" in m["recovered_perplexity"]
+    assert ("kd" in m["closed_form"]) == (method == "linearpatch-kd")
+    if method == "linearpatch-kd":  # one pass over the training rows, 8 a step
+        assert m["closed_form"]["kd"]["steps"] == -(-p.train_ids.shape[0] // 8)
+    assert all(not g["stitch"] for g in json.loads((out / "plan.json").read_text())["groups"])  # the block as it is
+    assert "**not exported**" in (out / "report.md").read_text()
+    with pytest.raises(OverRepError, match="never exported"):
+        p.export()
 
 
 def test_prunecomp_alone_is_a_method_that_trains_nothing_and_reloads(assets, tmp_path):

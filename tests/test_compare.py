@@ -225,17 +225,17 @@ def test_variants_plans_and_closed_forms_in_one_grid(assets, tmp_path):
     """A variant is a method with settings of its own; ``plans`` picks (criterion, ratio) pairs;
     a closed form runs once per plan as the 0-second row of every budget's table; every row
     carries the protocol's figures (interval, seconds used, FLOPs)."""
-    config = grid_file(assets, tmp_path, methods=["overrep", "overrep-warm", "replaceme"], budgets=["6s"],
+    config = grid_file(assets, tmp_path, methods=["overrep", "overrep-warm", "replaceme", "linearpatch"], budgets=["6s"],
                        variants={"overrep-warm": {"method": "overrep", "recovery": {"warm_start": "replaceme",
                                                                                      "closed_rows": 4}}},
                        plans=[["last", 0.3]])
     cfg = CompareConfig.load(config)
     assert cfg.pairs() == [("last", 0.3)] and cfg.trains("overrep-warm") and not cfg.trains("replaceme")
-    assert Compare(cfg).plan_cells() == 2 + 1
+    assert Compare(cfg).plan_cells() == 2 + 2
     assert main(["compare", "--config", config, "--quiet"]) == 0
     out = tmp_path / "grid"
     rows = {(r["method"], r["budget"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
-    assert set(rows) == {("overrep", "6s"), ("overrep-warm", "6s"), ("replaceme", "0s")}
+    assert set(rows) == {("overrep", "6s"), ("overrep-warm", "6s"), ("replaceme", "0s"), ("linearpatch", "0s")}
     assert all(r["status"] == "ok" for r in rows.values())
     warm = yaml.safe_load((out / "cells" / rows[("overrep-warm", "6s")]["cell"].split("/")[-1] / "config.yaml")
                           .read_text())
@@ -251,6 +251,9 @@ def test_variants_plans_and_closed_forms_in_one_grid(assets, tmp_path):
     text = (out / "results.md").read_text()
     assert "| replaceme | 0 |" in text and "(fit)" in text and "Machine and precision:" in text
     assert "| × dense: " in text
+    patch = rows[("linearpatch", "0s")]  # a reference row: scored, marked, nothing exported
+    assert patch["exportable"] is False and patch["model_dir"] is None and patch["extra_params"] == 32 * 32
+    assert "| linearpatch (extra module, not exportable) | 0 |" in text and "M extra |" in text
     scoring = resolve_precision("auto", "cpu")  # eval.precision: auto, stated with the machine
     assert {r["scoring"] for r in rows.values()} == {scoring} and f"{scoring} scoring" in text
     assert len({r["code"] for r in rows.values()}) == 1 and "Code: " in text and "more than one version" not in text

@@ -65,23 +65,3 @@ def test_runs_on_other_rows_or_unfinished_are_refused(assets, tmp_path):
     assert done.returncode != 0 and "other validation or test rows" in done.stderr and "'data' section" in done.stderr
     done = paired(a, tmp_path / "missing")
     assert done.returncode != 0 and "is not a finished run" in done.stderr
-
-
-LINEAR_PATCH = SCRIPT.parent / "linear_patch.py"
-
-
-def test_linear_patch_script_scores_the_patched_model_and_exports_nothing(assets, tmp_path):
-    cfg = tiny_cfg(assets, tmp_path / "never", recovery__closed_rows=8, eval__latency=False)
-    cfg.save(tmp_path / "run.yaml")
-    out = tmp_path / "lp.json"
-    done = subprocess.run([sys.executable, str(LINEAR_PATCH), "--config", str(tmp_path / "run.yaml"), "--kd",
-                           "--kd-topk", "8", "--output", str(out)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    got = json.loads(out.read_text())
-    assert got["exportable"] is False and got["variant"] == "linearpatch_kd"
-    assert got["made"]["patches"] == 1 and got["made"]["kd"]["steps"] == 24 // 8
-    test = got["perplexity"]["test"]
-    assert test["low"] <= test["value"] <= test["high"] and "validation" in got["perplexity"]
-    ratio = got["perplexity"]["test_vs_dense"]["ratio"]
-    assert abs(ratio["value"] - test["value"] / got["dense"]["value"]) < 1e-6 * ratio["value"]
-    assert not (tmp_path / "never").exists()  # a reference row, never a run folder

@@ -343,6 +343,7 @@ class Compare:
             "criterion_seconds": t.get("criterion", 0.0), "peak_memory_bytes": m.get("peak_memory_bytes"),
             "model_dir": m.get("model_dir"), "merge_max_abs_diff": m.get("merge_max_abs_diff"),
             "kept_step": (m.get("keep_best") or {}).get("step"),  # recovery.keep_best's choice
+            "exportable": m.get("exportable", True), "extra_params": m.get("extra_params"),  # LinearPatch: False
         })
         row["search_seconds"] = t.get("search", 0.0)  # a method's own search before training (rankadaptor)
         row["recovery_seconds"] = row["train_seconds"] + row["feature_seconds"] + row["search_seconds"]

@@ -62,6 +62,8 @@ def collect(grid, rows: list[dict]) -> dict:
                                                    "rp": {s: v.get("rp") for s, v in rp.items()}}
     scored = []
     for row in ok:
+        if not row.get("model_dir"):  # a reference with no exported model (LinearPatch): no lm-eval run of it
+            continue
         res = score(grid, row["model_dir"], Path(row["cell"]).name)
         if res is None:
             continue

@@ -215,12 +215,14 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {r['method']} | {r.get('seed', 0)} | {r.get('status')} ||||||||||| ")
                 continue
             ratio_ci = r.get("ratio_to_dense") or {}
+            extra = " (extra module, not exportable)" if r.get("exportable") is False else ""  # LinearPatch
             lines.append(
-                f"| {r['method']} | {r.get('seed', 0)} | {_ci(r)} | "
+                f"| {r['method']}{extra} | {r.get('seed', 0)} | {_ci(r)} | "
                 + (f"{ratio_ci['value']:.2f} [{ratio_ci['low']:.2f}, {ratio_ci['high']:.2f}]" if ratio_ci else "–")
                 + f" | {_domains(r)} | {fmt_ppl(r.get('val_ppl'))} | {_rp(r)} | {_pct(r.get('lambada_last_word'))} | "
                 f"{'–' if r.get('distinct_2') is None else format(r['distinct_2'], '.2f')} | {_steps(r)} | "
-                f"{_used(r)} | {_tflops(r)} | {r['trainable_params'] / 1e6:.2f}M |")
+                f"{_used(r)} | {_tflops(r)} | {r['trainable_params'] / 1e6:.2f}M"
+                + (f" + {r['extra_params'] / 1e6:.2f}M extra" if r.get("extra_params") else "") + " |")
         if waiting:
             lines += ["", "Not run yet: " + ", ".join(f"{r['method']} (seed {r['seed']})" for r in waiting) + "."]
         lines += benchmark_table(ok, dense, results.get("pruned", {}).get(f"{criterion}-{ratio:g}"))
@@ -241,7 +243,8 @@ def markdown(results: dict) -> str:
               "repetition); seconds used: features + training up to the end of training, against the cell's "
               "budget (a closed form: its fit; it trains nothing); TFLOPs: training (one step's forward "
               "counted by torch's FlopCounterMode, x 3 for the backward, x steps) plus the dense forward passes that "
-              "built the features.", ""]
+              "built the features; extra module: a reference whose patch the stock architecture has no place for "
+              "(LinearPatch), scored in memory with its extra parameters and never exported.", ""]
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ from .. import __version__
 from ..atomic import write_json
 from ..core.precision import resolve_model_dtype
 from ..data.text import token_splits
+from ..errors import OverRepError
 from ..eval.figures import eval_data
 from ..eval.heldout import unseen_domain_rows
 from ..model.accounting import blocks_for_ratio, pruning_account
@@ -367,6 +368,9 @@ class Pipeline:
 
     # ---- stage 6: export -----------------------------------------------------------
     def export(self) -> Path:
+        if not self.method.exports:
+            raise OverRepError(f"{self.method.name} needs a module the stock architecture lacks (an extra d x d patch "
+                               "at each gap): it is scored by `overrep run`, never exported")
         training = ("train_steps", "train_seconds", "train_tokens", "final_train_loss", "final_val_loss")
         provenance = {
             "overrep_version": __version__, "source_model": self.model_info, "removed_layers": list(self.plan.removed),
@@ -421,7 +425,12 @@ class Pipeline:
         if not self.world.is_main:  # the rest is written once
             return self.metrics
         self.evaluate_model(self.pruned, "recovered")
-        self.export()
+        if self.method.exports:
+            self.export()
+        else:  # a reference whose extra module the stock architecture lacks (LinearPatch): scored, never saved
+            log.warning("%s needs a module the stock architecture lacks: scored above, no model folder written",
+                        self.method.name)
+            self.metrics["model_dir"] = None
         from .report import recovery_check, write_report
         self.metrics.update({
             "preset": getattr(self.recovery, "preset", None) and self.recovery.preset.name,

@@ -195,6 +195,14 @@ def _check_lines(check: dict | None) -> list[str]:
             "trained; do not use it (docs/losses.md, \"Attention sinks\", describes one such failure).", ""]
 
 
+def _export_text(m: dict) -> str:
+    if m.get("exportable") is False:  # a reference method (LinearPatch)
+        return (f"**not exported**: the method adds {_fmt(m.get('extra_params'))} parameters in a module the stock "
+                "architecture has no place for (a d x d patch at each gap, run as a forward hook), so the figures "
+                "above are of the patched model in memory and no `model/` folder is written")
+    return f"exported model reloads with max logit difference {_fmt(m.get('export_reload_max_abs_diff'), 3)}"
+
+
 def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
     plots = out / "plots"
     make_dirs(plots)
@@ -248,7 +256,7 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
          f"{_fmt(m.get('merge_max_abs_diff'), 3)} (relative {_fmt(m.get('merge_max_rel_diff'), 3)}); "
          if m.get("merge_max_abs_diff") is not None else "- nothing to fold (the compact model's own weights "
          "trained); ")
-        + f"exported model reloads with max logit difference {_fmt(m.get('export_reload_max_abs_diff'), 3)}",
+        + _export_text(m),
         "", "![training](plots/training.png)", "",
     ]
     if m.get("benchmarks"):

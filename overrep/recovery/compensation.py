@@ -18,8 +18,9 @@ gap with ``P = H diag(d) H^T``, H a normalised Hadamard matrix and
 ``d_k = mean|X_after H|_k / mean|X_before H|_k``. P is a d x d operation the stock
 architecture has no place for: :func:`linear_patch` applies it as a hook, for evaluation
 only; a model carrying it cannot be exported as a plain checkpoint. :func:`tune_patches` is
-the reference's offline distillation of the patch (``efficient_distill.py``); both are scored by
-``scripts/linear_patch.py``.
+the reference's offline distillation of the patch (``efficient_distill.py``); the methods
+``linearpatch`` and ``linearpatch-kd`` (:mod:`overrep.recovery.methods.patch`) run them in a run, which
+scores the patched model and exports nothing.
 """
 
 from __future__ import annotations

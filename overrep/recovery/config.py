@@ -18,6 +18,7 @@ from .losses import LossOptions
 from .methods import METHODS, Method
 from .methods.adapters import LoraOptions
 from .methods.closed_form import ClosedFormOptions
+from .methods.patch import PatchOptions
 from .methods.rankadaptor import RankAdaptorOptions
 from .methods.restorelcc import RestoreLCCOptions
 from .methods.whole_model import KDOptions
@@ -31,7 +32,7 @@ WARM_START_WARMUP_STEPS = 20
 # (bases listed last-first: a dataclass's fields follow its reversed MRO, so the shared
 # training options come first in config.yaml, then each method's)
 @dataclass
-class RecoveryConfig(ClosedFormOptions, RestoreLCCOptions, KDOptions, LossOptions, RankAdaptorOptions, LoraOptions, TrainingOptions):
+class RecoveryConfig(PatchOptions, ClosedFormOptions, RestoreLCCOptions, KDOptions, LossOptions, RankAdaptorOptions, LoraOptions, TrainingOptions):
     """``recovery``: how the pruned model is recovered (one field per YAML key)."""
 
     @property
@@ -95,3 +96,4 @@ class RecoveryConfig(ClosedFormOptions, RestoreLCCOptions, KDOptions, LossOption
         self.check_rankadaptor(train_sequences, searches=RankAdaptorOptions in self.method_entry.options)
         self.check_restorelcc()
         self.check_closed_form(self.method_entry)
+        self.check_patch()

@@ -22,12 +22,17 @@ overrep-kd     OverRep's recovery blocks                             KL to dense
 overrep-lm     OverRep's recovery blocks                             language modelling
 restorelcc     2 x head_dim vectors on the attention heads a probe   language modelling
                found pruning hurt most (RestoreLCC), merged as o bias
+replaceme      nothing: a least-squares map per removed run, folded  (closed form)
+               (also replaceme-cos, prunecomp: :mod:`.closed_form`)
+linearpatch    nothing (-kd: the patch, one pass): a d x d patch    (reference; not
+               at each gap, an extra module (:mod:`.patch`)          exportable)
 =============  ===============================================  ======================
 
 One module per family: :mod:`.layerwise` (overrep, plain, streamline), :mod:`.adapters`
 (lora, adalora, lora-iso; rankadaptor's search in :mod:`.rankadaptor`), :mod:`.whole_model`
 (full-ft, logit-kd, overrep-kd, overrep-lm), :mod:`.restorelcc` (restorelcc; its probe in
-:mod:`.restorelcc_probe`); what they share is in :mod:`.base`. A method receives a
+:mod:`.restorelcc_probe`), :mod:`.closed_form` (replaceme, replaceme-cos, prunecomp) and
+:mod:`.patch` (linearpatch, linearpatch-kd); what they share is in :mod:`.base`. A method receives a
 :class:`~overrep.recovery.teacher.MethodInputs`
 (models, plan, data, its config section, the teacher) and nothing else.
 
@@ -46,6 +51,7 @@ from .adapters import AdaLoraRun, AdapterRun, IsoLoraRun, LoraOptions, iso_rank,
 from .base import Method, MethodRun
 from .closed_form import ClosedFormOptions, ClosedFormRun, fits_warm_start, prepare as prepare_closed_form, resolve_warm_start
 from .layerwise import LayerwiseRun
+from .patch import PatchOptions, PatchRun
 from .rankadaptor import RankAdaptorOptions, RankAdaptorRun
 from .restorelcc import RestoreLCCOptions, RestoreLCCRun
 from .whole_model import FullRun, KDOptions, OvercompleteRun
@@ -95,6 +101,15 @@ for _m in [
     Method("replaceme-cos", "ReplaceMe's cosine variant: the same map by Adam on 1 - cos (recovery.closed_cos_*); "
            "no training of the model", ClosedFormRun, "cosine", 0.0, "closed-form", options=(ClosedFormOptions,),
            trains=False, planned_account=False, block_removal_only="it replaces a removed run of blocks"),
+    # references, not exportable: the patch needs a d x d module the stock architecture lacks
+    Method("linearpatch", "LinearPatch (a reference: needs an extra d x d module, so scored and never exported): "
+           "a Hadamard rotation and per-channel scales at each gap, from calibration rows; no training", PatchRun,
+           "patch", 0.0, "extra-module", options=(ClosedFormOptions,), trains=False, exports=False,
+           planned_account=False, block1_init="retained", block_removal_only="it patches the stream at a gap"),
+    Method("linearpatch-kd", "LinearPatch then its offline distillation (the patch alone, one pass, KL on the dense "
+           "top-k: recovery.patch_kd_*); a reference, scored and never exported", PatchRun, "patch-kd", 0.0,
+           "extra-module", options=(ClosedFormOptions, PatchOptions), trains=False, exports=False,
+           planned_account=False, block1_init="retained", block_removal_only="it patches the stream at a gap"),
 ]:
     METHODS.register(_m)
 

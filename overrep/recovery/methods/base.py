@@ -41,6 +41,8 @@ class Method:
     planned_account: bool = True  # `overrep inspect` counts what trains from the plan (False: builds the method)
     auto_warm_start: bool = False  # recovery.warm_start: auto starts it from ReplaceMe's fit where that applies
     trains: bool = True  # False: a closed form, fitted when it is set up; the pipeline runs no training steps
+    exports: bool = True  # False: a reference that needs a module the stock architecture lacks (LinearPatch): scored, never exported
+    block1_init: str | None = None  # forced layout of the block before each gap (None: recovery.block1_init)
 
 
 @torch.no_grad()
