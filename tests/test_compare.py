@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import yaml
@@ -88,6 +89,12 @@ def test_a_grid_finds_its_cells_by_a_relative_path_or_after_a_move(assets, tmp_p
     d.with_name(d.name + ".yaml").rename(old.with_name(old.name + ".yaml"))
     assert main(["compare", "--config", config, "--output", str(tmp_path / "moved"), "--quiet"]) == 0
     assert [p.parent for p in (tmp_path / "moved" / "cells").glob("*/metrics.json")] == [old]
+    # so is a cell that ran and was refused (its request and its error, no folder)
+    shutil.rmtree(old)
+    old.with_name(old.name + ".error").write_text("overrep: error: too few steps\n")
+    assert main(["compare", "--config", config, "--output", str(tmp_path / "moved"), "--quiet", "--collect-only"]) == 1
+    (row,) = json.loads((tmp_path / "moved" / "results.json").read_text())["rows"]
+    assert row["status"] == "failed: overrep: error: too few steps"
 
 
 def test_benchmark_rp_is_collected_for_every_cell(assets, tmp_path):

@@ -157,7 +157,8 @@ class Compare:
             d = request.with_suffix("")
             try:
                 old = RunConfig.from_dict(yaml.safe_load(request.read_text())).to_dict()
-                same = d.is_dir() and _hash(self.settings(old)) == key
+                ran = d.is_dir() or d.with_name(f"{d.name}.error").is_file()  # (a refused run leaves no folder)
+                same = ran and _hash(self.settings(old)) == key
             except (OSError, yaml.YAMLError, AttributeError, OverRepError):
                 continue
             if same:
