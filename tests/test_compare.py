@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 import yaml
 
 from overrep.app.cli import main
 from overrep.app.compare import Compare, CompareConfig
+from overrep.app.runinfo import code_fingerprint
 from overrep.core.precision import resolve_precision
 from overrep.errors import OverRepError
 
@@ -411,3 +413,18 @@ def test_the_warm_start_summary_pairs_seeds_and_leaves_out_a_warm_cell_that_star
     assert "block-influence" not in text and "lora-iso" not in text
     cold_only = dict(results, rows=[r for r in rows if r["criterion"] == "block-influence"])
     assert "## The warm start against the cold one" not in markdown(cold_only)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH: Python 3.11+")
+def test_a_cell_runs_the_grids_code_not_a_checkout_in_its_working_directory(assets, tmp_path, monkeypatch):
+    """``python -m`` puts the working directory first on the path: a grid started inside another
+    checkout of overrep must not run its cells on that checkout's code."""
+    fake = tmp_path / "elsewhere" / "overrep"
+    fake.mkdir(parents=True)
+    for name in ("__init__.py", "__main__.py"):
+        (fake / name).write_text("raise SystemExit('another overrep')\n")
+    config = grid_file(assets, tmp_path, methods=["replaceme"], budgets=["6s"])
+    monkeypatch.chdir(fake.parent)
+    assert main(["compare", "--config", config, "--quiet"]) == 0
+    (row,) = json.loads((tmp_path / "grid" / "results.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["code"] == code_fingerprint()

@@ -50,6 +50,7 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -93,6 +94,19 @@ class Cell:
 
     def metrics(self) -> dict:
         return json.loads(self.metrics_path.read_text())
+
+
+#: the folder this process's ``overrep`` was imported from
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def overrep_command(*args: str) -> tuple[list[str], dict]:
+    """``python -m overrep ARGS`` and its environment, so that a cell runs the code of the grid that
+    planned it: ``-m`` would put the working directory first on the path, and a checkout there
+    (another version of overrep) would be imported instead (PYTHONSAFEPATH, Python 3.11+, leaves it
+    out; PYTHONPATH puts this process's package first)."""
+    path = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return [sys.executable, "-m", "overrep", *args], {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": path}
 
 
 def _hash(obj) -> str:
@@ -199,11 +213,11 @@ class Compare:
         error_path.unlink(missing_ok=True)
         resume = ["--resume"] if (cell.dir / "config.yaml").is_file() else []  # an interrupted cell
         self.share_caches(Path(cell.config["cache"]["dir"] or ""))
-        cmd = [sys.executable, "-m", "overrep", "run", "--config", str(request), *resume, "--quiet"]
+        cmd, env = overrep_command("run", "--config", str(request), *resume, "--quiet")
         with open(log_path, "a") as logf:
             logf.write(f"$ {' '.join(cmd)}\n")
             logf.flush()
-            proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT)
+            proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
         if proc.returncode == 130 or proc.returncode < 0:
             raise KeyboardInterrupt
         own = Path(cell.config["cache"]["dir"] or "")
@@ -246,8 +260,8 @@ class Compare:
             cfg = copy.deepcopy(cell.config)
             cfg["recovery"]["method"] = "overrep"
             request.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            subprocess.run([sys.executable, "-m", "overrep", "prune", "--config", str(request), "--overwrite",
-                            "--quiet"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            cmd, env = overrep_command("prune", "--config", str(request), "--overwrite", "--quiet")
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         return model
 
     # ---- the grid ------------------------------------------------------------------
