@@ -91,7 +91,7 @@ def cmd_inspect(args) -> int:
         return 0
     r = p.rcfg  # as the run trains it (the auto warm start's layout resolved)
     acc = recovery_account(p.dense.config, p.selection.removed, r.preset_name, blocks=r.blocks_per_run,
-                           block1_init=r.block1_init, final_block=r.final_block)
+                           block1_init=r.block1_layout, final_block=r.final_block)
     acc.update(model=p.model_info["source"], method=p.method.name, criterion=cfg.prune.criterion,
                criterion_scores=p.selection.scores, total_steps=p.total_steps)
     if built:

@@ -145,7 +145,7 @@ class Pipeline:
         self.method = get_method(r.method)
         if cfg.prune.remove is not None:  # an impossible --remove fails before the data loads
             plan_pruning(self.num_layers, parse_layers(str(cfg.prune.remove)), blocks=r.blocks_per_run,
-                         block1_init=r.block1_init, final_block=r.final_block)
+                         block1_init=r.block1_layout, final_block=r.final_block)
         t0 = time.perf_counter()
         d = cfg.data
         splits = token_splits(d.source, self.tokenizer, seq_len=d.seq_len, train_sequences=d.train_sequences,

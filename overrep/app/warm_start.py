@@ -43,11 +43,9 @@ def resolve(p, cold_because: str | None = None) -> None:
     r, p.metrics["warm_start"] = resolve_warm_start(
         p.cfg.recovery, p.method, p.dense, None if p.width else p.selection.removed, p.train_ids[:2],
         cold_because=cold_because)
-    if p.method.block1_init is not None:  # a method that fixes its own layout (LinearPatch: the block as it is)
-        r = dataclasses.replace(r, block1_init=p.method.block1_init)
     if not p.width:
         p.plan = plan_recovery(p.dense, p.selection.removed, get_preset(r.preset_name), blocks=r.blocks_per_run,
-                               block1_init=r.block1_init, final_block=r.final_block, keep=p.selection.replaced)
+                               block1_init=r.block1_layout, final_block=r.final_block, keep=p.selection.replaced)
     p.shared_prefix = SharedPrefix(p.dense, 0 if p.width else first_changed_block(p.plan))
     lr = r.lr if r.lr is not None else p.method.default_lr
     p.rcfg = dataclasses.replace(r, lr=lr, warmup_steps=r.resolved_warmup_steps,

@@ -60,6 +60,11 @@ class RecoveryConfig(PatchOptions, ClosedFormOptions, RestoreLCCOptions, KDOptio
         """The recovery blocks per removed run the method builds (a method may fix its own)."""
         return self.method_entry.blocks or self.blocks
 
+    @property
+    def block1_layout(self) -> str:
+        """How the block before each gap starts (a method may fix its own: LinearPatch keeps it as it is)."""
+        return self.method_entry.block1_init or self.block1_init
+
     def resolve_width(self) -> None:
         """A width-pruned model: refuse a method defined for block removal only, and the
         defaults where block pruning's do not apply (measured best at short budgets): the
