@@ -667,16 +667,22 @@ def test_a_costlier_later_phase_shortens_the_run_to_its_deadline(assets, tmp_pat
     layer-wise steps, but each next-token step costs 0.3 s more. After three timed steps of
     that phase, and every three after, the step count is re-fitted to what the deadline leaves
     at their cost, so the schedules end inside the budget; the switch stays where the phase
-    began, and the first phase is never re-fitted this way."""
+    began, and the first phase is never re-fitted this way.
+
+    Every step takes at least the probe's 0.05 s, so that the plan does not follow how fast the
+    machine runs the tiny model: at its real 0.013 s a layer-wise step, the re-fits had fitted
+    621 steps, the last 100 (one pass) of them next-token ones priced at 0.013 s, and left that
+    phase 5 steps, on a slower machine fewer than the 4 its first re-fit waits for."""
     no_deadline_stop(monkeypatch)
     from overrep.recovery.trainer import Trainer
 
     real_step = Trainer._step
 
     def step(self):
-        if self.objective.phase() == "ce":
-            time.sleep(0.3)
-        return real_step(self)
+        t0, floor = time.perf_counter(), 0.35 if self.objective.phase() == "ce" else 0.05
+        out = real_step(self)
+        time.sleep(max(0.0, floor - (time.perf_counter() - t0)))
+        return out
 
     monkeypatch.setattr(Trainer, "_step", step)
     monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(0.05, 0.0, 0.0, anneal=0.05))
