@@ -284,7 +284,8 @@ class Pipeline:
     def method_inputs(self) -> MethodInputs:
         return MethodInputs(self.pruned, self.dense, self.plan, self.rcfg, self.train_ids,  # probes: never test
                             self.val_ids if self.val_ids is not None else self.train_ids,
-                            self.total_steps, self.teacher, self.val_ids, self.shared_prefix)
+                            self.total_steps, self.teacher, self.val_ids, self.shared_prefix,
+                            progress=self.progress)
 
     @property
     def cache_root(self) -> Path:

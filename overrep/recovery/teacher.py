@@ -209,3 +209,4 @@ class MethodInputs:
     teacher: Teacher
     val_ids: torch.Tensor | None = None
     prefix: SharedPrefix | None = None  # the blocks the pruned model shares with the dense one (validations run them once)
+    progress: bool = True  # progress bars of a method's own set-up (LinearPatch-KD's distillation); off under --quiet

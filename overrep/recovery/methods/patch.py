@@ -59,7 +59,7 @@ class PatchRun(MethodRun):
                     "fit_seconds": time.perf_counter() - t0}
         if kd:
             self.fit["kd"] = tune_patches(self.model, self.hooks, inputs.dense, inputs.train_ids, k=r.patch_kd_topk,
-                                          lr=r.patch_kd_lr, precision=r.precision, progress=True)
+                                          lr=r.patch_kd_lr, precision=r.precision, progress=inputs.progress)
             for h in self.hooks:
                 h.matrix.requires_grad_(False)
         self.fit["seconds"] = time.perf_counter() - t0  # the fit and the distillation: the method's whole cost
