@@ -664,7 +664,7 @@ def test_a_next_token_phase_gets_rows_of_its_own():
 
 def test_a_costlier_later_phase_shortens_the_run_to_its_deadline(assets, tmp_path, monkeypatch):
     """``normed>ce``: the probe prices every step alike and the first re-fits time the cheap
-    layer-wise steps, but each next-token step costs 0.3 s more. After three timed steps of
+    layer-wise steps, but each next-token step costs 0.35 s or more. After three timed steps of
     that phase, and every three after, the step count is re-fitted to what the deadline leaves
     at their cost, so the schedules end inside the budget; the switch stays where the phase
     began, and the first phase is never re-fitted this way.
