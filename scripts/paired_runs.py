@@ -11,6 +11,13 @@ bootstrap over documents (:func:`overrep.eval.intervals.paired_ratio`): a ratio 
 excludes 1 is a difference these rows can tell. The dense model's scores come from the cache
 the runs filled.
 
+Runs trained on other data (another mix of sources, whose own validation rows differ) are
+compared on one run's rows with ``--rows-of RUN``: every model is scored on RUN's validation
+and test rows and unseen corpora, and each run must have held out every document behind them
+(:func:`overrep.data.splits.check_held_out_by`: a source split by shuffle needs at least
+RUN's test + validation documents of it held out, e.g. ``data.heldout_sequences = 64 ×
+sources`` against the default's 192 over three) and train on no unseen corpus's domain.
+
 Pooled perplexity over several domains is the geometric mean of the per-domain ratios, so a
 method that overtakes the dense model on one domain (a next-token objective can learn a
 corpus's own format) can lead the pooled figure while losing the others; the per-domain rows
@@ -18,6 +25,7 @@ show it.
 
 Run:  .venv/bin/python scripts/paired_runs.py runs/overrep runs/overrep-lm runs/lora-iso \
           --markdown paired.md --json paired.json
+      .venv/bin/python scripts/paired_runs.py runs/overrep runs/mix-no-ptb --rows-of runs/overrep
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="finished run folders; the first is the reference")
     ap.add_argument("--markdown", help="write the table here as well")
     ap.add_argument("--json", help="every figure as JSON")
+    ap.add_argument("--rows-of", metavar="RUN", help="score every model on RUN's rows (default: the first run's, "
+                    "which every run must share); runs trained on other data must have held out RUN's documents")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -54,23 +64,37 @@ def main() -> None:
     for run in runs:
         if not (run / "metrics.json").is_file() or not (run / "model" / "config.json").is_file():
             raise SystemExit(f"error: {run} is not a finished run (no metrics.json or model/)")
+    rows_of = Path(args.rows_of) if args.rows_of else runs[0]
+    if not (rows_of / "metrics.json").is_file() or not (rows_of / "config.yaml").is_file():
+        raise SystemExit(f"error: --rows-of {rows_of} is not a finished run (no metrics.json or config.yaml)")
     configs = [RunConfig.load(run / "config.yaml") for run in runs]
+    base = RunConfig.load(rows_of / "config.yaml")
     # the rows scored: the validation and test rows' fingerprints (a run's training rows, e.g.
     # data.train_sequences, may differ: that is a setting to compare), the unseen corpora (eval)
     rows = [{k: json.loads((run / "metrics.json").read_text()).get("data", {}).get(k)
-             for k in ("validation_fingerprint", "test_fingerprint")} for run in runs]
-    for run, cfg, mine in zip(runs[1:], configs[1:], rows[1:]):
+             for k in ("validation_fingerprint", "test_fingerprint")} for run in [rows_of, *runs]]
+    for run, cfg, mine in zip(runs, configs, rows[1:]):
         for section in ("model", "prune", "eval"):
-            if getattr(cfg, section) != getattr(configs[0], section):
-                raise SystemExit(f"error: {run} differs from {runs[0]} in its '{section}' section: "
+            if getattr(cfg, section) != getattr(base, section):
+                raise SystemExit(f"error: {run} differs from {rows_of} in its '{section}' section: "
                                  "its rows are not the same")
-        if mine != rows[0] or None in mine.values():
-            raise SystemExit(f"error: {run} was scored on other validation or test rows than {runs[0]} (the "
-                             "'data' section's fingerprints differ, or a metrics.json predates them)")
+        if not args.rows_of and (mine != rows[0] or None in mine.values()):
+            raise SystemExit(f"error: {run} was scored on other validation or test rows than {rows_of} (the "
+                             "'data' section's fingerprints differ, or a metrics.json predates them); compare "
+                             "them on one run's rows with --rows-of")
     with tempfile.TemporaryDirectory() as scratch:
-        cfg = RunConfig.load(runs[0] / "config.yaml", {"output": scratch})
+        cfg = RunConfig.load(rows_of / "config.yaml", {"output": scratch})
         p = Pipeline(cfg, progress=False)
         p.load(create_output=False)
+    if {k: p.data_info.get(k) for k in rows[0]} != rows[0]:
+        raise SystemExit(f"error: the rows rebuilt from {rows_of}/config.yaml are not the ones it recorded (another "
+                         "tokenizer, data or package version)")
+    if args.rows_of:
+        try:
+            for run, cfg in zip(runs, configs):
+                held_out_by(p, cfg, str(run))
+        except OverRepError as e:
+            raise SystemExit(f"error: {e}") from None
     # the dense scores as the runs cached them; the runs' models on perplexity only (the
     # generation check is in each run's report)
     precisions = {json.loads((run / "metrics.json").read_text()).get("eval_precision", "fp32") for run in runs}
@@ -130,6 +154,23 @@ def main() -> None:
         Path(args.markdown).write_text(table)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
+def held_out_by(p, cfg, name: str) -> None:
+    """Refuse unless run ``name`` (its config ``cfg``) trained on no document behind pipeline
+    ``p``'s validation and test rows."""
+    from overrep.data.splits import check_held_out_by
+    from overrep.data.text import mixture_parts, token_splits
+    from overrep.errors import OverRepError
+
+    d = cfg.data
+    if d.seq_len != p.cfg.data.seq_len:
+        raise OverRepError(f"{name} trained on rows of {d.seq_len} tokens, the rows scored have {p.cfg.data.seq_len}")
+    parts = mixture_parts(d.source)  # (its unseen corpora are the scored run's: it refused their domains itself)
+    theirs = token_splits(d.source, p.tokenizer, seq_len=d.seq_len, train_sequences=len(parts),
+                          test_sequences=d.heldout_sequences, validation_sequences=d.validation_sequences,
+                          seed=d.seed, text_field=d.text_field, progress=False)
+    check_held_out_by(p.data_info, theirs.info, name)
 
 
 if __name__ == "__main__":

@@ -395,6 +395,44 @@ def test_mixture_packs_each_source_and_keeps_held_out_rows_by_domain(tmp_path):
     assert (train == river).any() and (train == planet).any()  # the training rows mix both
 
 
+def test_a_run_on_another_mix_is_checked_to_hold_out_the_scored_documents(tmp_path):
+    """check_held_out_by: a split of other sources may be scored on a mixture's rows only where it
+    held out at least the documents those rows hold (docs/results.md, the data mix)."""
+    from overrep.data.splits import check_held_out_by
+    from overrep.data.text import token_splits
+    from tiny import tiny_tokenizer
+
+    a = [f"river mountain {i} " * 2 for i in range(60)]  # a few documents a row
+    b = [f"planet ocean {i} " * 2 for i in range(60)]
+    (tmp_path / "a.txt").write_text("\n\n".join(a))
+    (tmp_path / "b.txt").write_text("\n\n".join(b))
+    tok = tiny_tokenizer(a + b)
+    mix, one = f"{tmp_path / 'a.txt'}+{tmp_path / 'b.txt'}", str(tmp_path / "a.txt")
+    kw = dict(seq_len=16, train_sequences=9, progress=False)
+    scored = token_splits(mix, tok, test_sequences=4, validation_sequences=2, **kw)
+    same = token_splits(one, tok, test_sequences=2, validation_sequences=1, **kw)  # the same rows of a per source
+    check_held_out_by(scored.info, same.info)
+    check_held_out_by(scored.info, token_splits(str(tmp_path / "b.txt"), tok, test_sequences=2, validation_sequences=1,
+                                                **kw).info)
+    def holds(rows, doc):  # doc's tokens contiguously in rows' stream
+        ids = " ".join(map(str, tok(doc.strip(), add_special_tokens=False)["input_ids"]))
+        return f" {ids} " in f" {' '.join(map(str, rows.flatten().tolist()))} "
+
+    held = [d for d in a if holds(scored.test, d) or holds(scored.validation, d)]
+    assert held and not any(holds(same.train, d) for d in held)  # what it was asked: it trained on none
+    fewer = token_splits(one, tok, test_sequences=1, validation_sequences=1, **kw)
+    with pytest.raises(OverRepError, match=r"held out the first \d+ documents of .*a.txt', these rows come from the "
+                                           r"first \d+: it trained on some of them"):
+        check_held_out_by(scored.info, fewer.info, "the run")
+    with pytest.raises(OverRepError, match="another seed"):
+        check_held_out_by(scored.info, token_splits(one, tok, test_sequences=2, validation_sequences=1, seed=1,
+                                                    **kw).info)
+    # official sections: what one split scores, no split trains on
+    ptb = {"source": "ptb-train", "split": "official sections", "seed": 0, "limit_documents": None,
+           "test_documents": 9, "validation_documents": 9}
+    check_held_out_by(ptb, {**ptb, "seed": 5, "test_documents": 1, "validation_documents": 0})
+
+
 def test_unseen_domains_must_not_be_trained_on():
     from overrep.errors import OverRepError
     from overrep.eval.heldout import unseen_domain_rows

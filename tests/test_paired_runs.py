@@ -65,3 +65,33 @@ def test_runs_on_other_rows_or_unfinished_are_refused(assets, tmp_path):
     assert done.returncode != 0 and "other validation or test rows" in done.stderr and "'data' section" in done.stderr
     done = paired(a, tmp_path / "missing")
     assert done.returncode != 0 and "is not a finished run" in done.stderr
+
+
+def test_runs_on_other_data_are_paired_on_one_runs_rows_where_they_held_them_out(assets, tmp_path):
+    """--rows-of: a run trained on one source of a mixture, holding out as many of its
+    documents, is scored on the mixture run's rows; one that may have trained on some of them
+    (another shuffle) is refused (the count of documents held out: tests/test_data.py)."""
+    lines = (assets / "corpus.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "first.jsonl").write_text("".join(lines[::2]))
+    (tmp_path / "second.jsonl").write_text("".join(lines[1::2]))
+    first = str(tmp_path / "first.jsonl")
+    runs = {}
+    for name, source, held, seed in (("mix", f"{first}+{tmp_path / 'second.jsonl'}", 8, 42), ("one", first, 4, 42),
+                                     ("reshuffled", first, 4, 7)):
+        runs[name] = tmp_path / name
+        Pipeline(tiny_cfg(assets, runs[name], recovery__steps=2, eval__latency=False, eval__generation=False,
+                          data__source=source, data__heldout_sequences=held, data__validation_sequences=held,
+                          data__train_sequences=16, data__seed=seed), progress=False).run()
+    done = paired(runs["mix"], runs["one"])
+    assert done.returncode != 0 and "--rows-of" in done.stderr
+    out = tmp_path / "paired.json"
+    done = paired(runs["mix"], runs["one"], "--rows-of", runs["mix"], "--json", out)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert sum(k.startswith("validation: ") for k in rows) == 2  # both domains of the mixture's rows
+    mix_own = json.loads((runs["mix"] / "metrics.json").read_text())["recovered_perplexity"]["validation"]
+    assert abs(rows["validation"][str(runs["mix"])]["perplexity"]["value"] - mix_own["value"]) < 1e-3 * mix_own["value"]
+    ratio = rows["validation"][str(runs["one"])]["vs_reference"]
+    assert ratio["low"] <= ratio["value"] <= ratio["high"]
+    done = paired(runs["mix"], runs["reshuffled"], "--rows-of", runs["mix"])
+    assert done.returncode != 0 and "another seed" in done.stderr

@@ -152,6 +152,8 @@ def split_mixture(parts: list[str], tokenizer, *, seq_len: int, train_sequences:
                            "test_sequences": n_test, "validation_sequences": s.info["validation_sequences"],
                            "test_rows": [rows[0], rows[0] + n_test],
                            "validation_rows": [rows[1], rows[1] + s.info["validation_sequences"]],
+                           "test_documents": s.info["test_documents"],
+                           "validation_documents": s.info["validation_documents"],
                            **{f"{k}_fingerprint": s.info[f"{k}_fingerprint"] for k in ("train", "validation", "test")}})
         rows = [rows[0] + n_test, rows[1] + s.info["validation_sequences"]]
     order = torch.randperm(train_sequences, generator=torch.Generator().manual_seed(seed))
@@ -166,3 +168,37 @@ def split_mixture(parts: list[str], tokenizer, *, seq_len: int, train_sequences:
             "eos_token_id": _eos_id(tokenizer), "train_fingerprint": tensor_digest(train),
             "validation_fingerprint": tensor_digest(validation), "test_fingerprint": tensor_digest(test)}
     return Splits(train, test, validation, info, units)
+
+
+def _held_out(info: dict) -> dict[str, dict]:
+    """Per source of a split's ``info``: how its documents were split and how many of the
+    shuffle's first documents the test and validation rows hold."""
+    parts = info.get("components") or [info]
+    return {c["source"]: {"split": c.get("split"), "seed": info.get("seed"), "limit": info.get("limit_documents"),
+                          "held": (c.get("test_documents"), c.get("validation_documents"))} for c in parts}
+
+
+def check_held_out_by(scored: dict, trained: dict, trained_name: str = "the other run") -> None:
+    """Refuse unless no document behind ``scored``'s test and validation rows is among the
+    training documents of ``trained`` (both a split's ``info``).
+
+    A source split by shuffle holds out its first test + validation documents, so another
+    split of the same source, seed and document limit holding out at least as many trains
+    on none of them; a source with official sections (Penn Treebank) scores sections no
+    split trains on; a source ``trained`` does not use is unseen by it.
+    """
+    mine, theirs = _held_out(scored), _held_out(trained)
+    for source, s in mine.items():
+        t = theirs.get(source)
+        if t is None or s["split"] == "official sections":
+            continue
+        if None in s["held"] or None in t["held"]:
+            raise OverRepError(f"cannot tell which documents of '{source}' {trained_name} held out (its split "
+                               "predates the counts); rerun it")
+        if (t["seed"], t["limit"]) != (s["seed"], s["limit"]):
+            raise OverRepError(f"{trained_name} shuffled '{source}' with another seed or document limit: it may "
+                               "train on the documents these rows hold")
+        if sum(t["held"]) < sum(s["held"]):
+            raise OverRepError(f"{trained_name} held out the first {sum(t['held'])} documents of '{source}', these "
+                               f"rows come from the first {sum(s['held'])}: it trained on some of them (give it "
+                               "at least as many test and validation rows of that source)")
