@@ -647,6 +647,10 @@ def test_the_probe_times_each_phase_of_a_two_loss_objective(tmp_path, monkeypatc
     assert t.measure(within=6.0).later == 4.0 and len(seen) == (1 + 3) + (1 + 1)  # 3 s a stretch: 3 x 1 s, 1 x 4 s
     seen.clear()
     assert t.measure(within=0.01).step == 1.0 and len(seen) == 2 * (1 + 1)
+    # what a cheap stretch leaves goes to the next: of 12 s, the first takes 3 of its 6, the
+    # dearer later phase gets the other 9 (two 4-s steps; an equal half each would give it one)
+    seen.clear()
+    assert t.measure(within=12.0).later == 4.0 and len(seen) == (1 + 3) + (1 + 2)
 
 
 def test_a_next_token_phase_gets_rows_of_its_own():
