@@ -16,7 +16,8 @@ compared on one run's rows with ``--rows-of RUN``: every model is scored on RUN'
 and test rows and unseen corpora, and each run must have held out every document behind them
 (:func:`overrep.data.splits.check_held_out_by`: a source split by shuffle needs at least
 RUN's test + validation documents of it held out, e.g. ``data.heldout_sequences = 64 ×
-sources`` against the default's 192 over three) and train on no unseen corpus's domain.
+sources`` against the default's 192 over three; the runs share RUN's ``eval`` section, so
+each refused an unseen corpus's domain for its training text itself).
 
 Pooled perplexity over several domains is the geometric mean of the per-domain ratios, so a
 method that overtakes the dense model on one domain (a next-token objective can learn a
