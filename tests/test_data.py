@@ -414,6 +414,7 @@ def test_a_run_on_another_mix_is_checked_to_hold_out_the_scored_documents(tmp_pa
     check_held_out_by(scored.info, same.info)
     check_held_out_by(scored.info, token_splits(str(tmp_path / "b.txt"), tok, test_sequences=2, validation_sequences=1,
                                                 **kw).info)
+
     def holds(rows, doc):  # doc's tokens contiguously in rows' stream
         ids = " ".join(map(str, tok(doc.strip(), add_special_tokens=False)["input_ids"]))
         return f" {ids} " in f" {' '.join(map(str, rows.flatten().tolist()))} "
