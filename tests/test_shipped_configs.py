@@ -1,5 +1,6 @@
 """Every shipped configuration loads and validates: the ``overrep compare`` grids in
-examples/compare (each cell's run configuration included) and the built-in presets."""
+examples/compare (each cell's run configuration included), the built-in presets and the preset
+files in examples/presets."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from overrep.model.presets import BUILTIN_PRESETS, get_preset
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GRIDS = sorted((EXAMPLES / "compare").glob("*.yaml"))
+PRESET_FILES = sorted((EXAMPLES / "presets").glob("*.yaml"))
 
 
 def test_the_examples_are_found():
     assert len(GRIDS) >= 9
+    assert len(PRESET_FILES) >= 2
 
 
 @pytest.mark.parametrize("path", GRIDS, ids=[p.stem for p in GRIDS])
@@ -39,4 +42,14 @@ def test_every_builtin_preset_round_trips_through_yaml_and_validates_as_a_run(na
     path.write_text(yaml.safe_dump(preset.to_dict(), sort_keys=False))
     assert get_preset(str(path)).to_dict() == preset.to_dict()
     RunConfig.load(overrides={"recovery": {"preset": name}})
+    RunConfig.load(overrides={"recovery": {"preset": str(path)}})
+
+
+@pytest.mark.parametrize("path", PRESET_FILES, ids=[p.stem for p in PRESET_FILES])
+def test_every_shipped_preset_file_loads_under_its_own_name_and_validates_as_a_run(path):
+    """The files results.md names as candidates (``--preset examples/presets/X.yaml``); linear,
+    so that the warm start's fitted function holds from the first step, as ``hybrid-linear``."""
+    preset = get_preset(str(path))
+    assert preset.name == path.stem and not preset.anneal
+    assert all(b.w or b.d for b in preset.blocks)
     RunConfig.load(overrides={"recovery": {"preset": str(path)}})
