@@ -67,6 +67,7 @@ from pathlib import Path
 
 import torch
 
+from overrep.app.runinfo import processor
 from overrep.core.precision import PRECISIONS, native_bf16, resolve_precision
 
 CASES = ("overrep_cached", "overrep_live", "plain_cached", "full_backprop", "variants", "whole_model")
@@ -387,16 +388,6 @@ def matmul_flops(m: int, hidden: int, inter: int, repeats: int = 5) -> dict:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def run_case(args, case: str, work: str) -> dict:
     result = Path(work) / f"{case}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--case", case, "--work-dir", work,
@@ -436,7 +427,7 @@ def run_parent(args) -> dict:
                      "num_layers": info["num_layers"], "data": args.data, "batch": args.batch,
                      "seq_len": args.seq_len, "tokens_per_step": m, "steps": args.steps, "warmup": args.warmup,
                      "threads": info["threads"], "torch": torch.__version__, "python": platform.python_version(),
-                     "cpu": cpu_model(), "cpu_count": _cpu_count(), "cases": cases,
+                     "cpu": processor(torch.device("cpu")), "cpu_count": _cpu_count(), "cases": cases,
                      # AVX512-BF16 or AMX: without them bf16 is emulated (recovery.precision: auto is fp32)
                      "cpu_native_bf16": native_bf16("cpu")},
         "cases": {},

@@ -59,6 +59,7 @@ from pathlib import Path
 
 import yaml
 
+from . import compare_folder
 from .compare_benchmarks import collect
 from .compare_config import FREE, CompareConfig, deep_update, budget_seconds
 from .config import RunConfig
@@ -127,6 +128,7 @@ class Compare:
         base["prune"]["remove"] = None
         base["recovery"]["run_limit"] = None  # a cell trains for its budget, never cut to fit a whole-run limit
         self.base = base
+        self.machine_checked = False  # compare_folder.check_machine: once, before the first cell that runs
 
     # ---- cells ---------------------------------------------------------------------
     def cell(self, criterion: str, ratio: float, method: str, budget: str, seconds: float | None = None,
@@ -205,6 +207,12 @@ class Compare:
     def run_cell(self, cell: Cell) -> dict | None:
         if cell.done:
             return cell.metrics()
+        if not self.machine_checked:
+            from ..model.runtime import resolve_device
+            from .runinfo import processor
+
+            compare_folder.check_machine(self.out, processor(resolve_device(self.base["model"]["device"])))
+            self.machine_checked = True
         cell.dir.parent.mkdir(parents=True, exist_ok=True)
         request = cell.dir.parent / f"{cell.dir.name}.yaml"
         request.write_text(yaml.safe_dump(cell.config, sort_keys=False))
@@ -317,7 +325,7 @@ class Compare:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
+        compare_folder.prepare(self.out)
         (self.out / "compare.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         bar = tqdm(total=self.plan_cells(), desc="compare", unit="cell", disable=not self.progress,
                    dynamic_ncols=True)

@@ -18,16 +18,17 @@ from pathlib import Path
 from ..memo import digest
 
 
-def score(grid, model: str, tag: str) -> dict | None:
+def score(grid, model: str, tag: str, scorable: bool = True) -> dict | None:
     """The benchmark results of ``model`` (a spec or folder), scored once and kept; ``None``
-    with no ``benchmarks:``, or under ``cached_benchmarks`` when it was never scored."""
+    with no ``benchmarks:``, or when it was never scored and is not to be (``cached_benchmarks``,
+    or not ``scorable``: a kept grid's cell whose model folder was left out, :mod:`.compare_folder`)."""
     spec = grid.cfg.benchmarks
     if not spec:
         return None
     path = grid.out / "benchmarks" / f"{tag}-{digest([model, spec], 10)}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    if grid.cached_benchmarks:
+    if grid.cached_benchmarks or not scorable:
         return None
     from ..eval.lmeval import evaluate_benchmarks
 
@@ -64,7 +65,7 @@ def collect(grid, rows: list[dict]) -> dict:
     for row in ok:
         if not row.get("model_dir"):  # a reference with no exported model (LinearPatch): no lm-eval run of it
             continue
-        res = score(grid, row["model_dir"], Path(row["cell"]).name)
+        res = score(grid, row["model_dir"], Path(row["cell"]).name, scorable=Path(row["model_dir"]).is_dir())
         if res is None:
             continue
         rp = retained_performance(res, dense)

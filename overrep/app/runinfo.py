@@ -44,20 +44,35 @@ def describe(run: dict) -> str:
 
 
 def processor(device: torch.device) -> str:
-    """The machine a figure came from, e.g. ``AMD EPYC (x86_64), AVX512-BF16`` or the GPU's
-    name: timings and step counts compare only between runs on the same one."""
+    """The machine a figure came from, e.g. ``AMD EPYC (x86_64, family 25 model 17, AVX512-BF16)``
+    or the GPU's name: timings and step counts compare only between runs on the same one."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            info = f.read()
-        name = next(ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name"))
-        flags = set(next(ln for ln in info.splitlines() if ln.startswith("flags")).split())
-    except (OSError, StopIteration):
+            return describe_cpu(f.read(), platform.machine())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def describe_cpu(cpuinfo: str, arch: str) -> str:
+    """:func:`processor` from the text of ``/proc/cpuinfo``. Two CPUs can share a model name: two
+    2-core ``AMD EPYC`` machines, family 25 model 17 and family 26 model 2, both with AVX512-BF16,
+    ran the same 12-minute default at steps 1.5-1.8x apart (docs/results.md), so the family and
+    model numbers are part of the name where the kernel gives them (x86)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:  # the first processor's entry
+            fields[key.strip()] = value.strip()
+    name = fields.get("model name") or platform.processor() or arch
+    if "flags" not in fields:
         return name
+    flags = set(fields["flags"].split())
     bf16 = "AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else "no bf16 instructions"
-    return f"{name} ({platform.machine()}, {bf16})"
+    family = f"family {fields['cpu family']} model {fields['model']}, " if "cpu family" in fields and "model" in fields \
+        else ""
+    return f"{name} ({arch}, {family}{bf16})"
 
 
 def environment(device: torch.device) -> dict:
