@@ -19,6 +19,11 @@ RUN's test + validation documents of it held out, e.g. ``data.heldout_sequences 
 sources`` against the default's 192 over three; the runs share RUN's ``eval`` section, so
 each refused an unseen corpus's domain for its training text itself).
 
+Below the paired table, a second one gives each run's own figures from its ``metrics.json``
+and training log (:func:`run_facts`): the seconds it used of its budget, its steps and their
+median cost per loss phase, its trainable parameters, its unseen corpora against dense and its
+generation check; the JSON holds them under ``facts``.
+
 Pooled perplexity over several domains is the geometric mean of the per-domain ratios, so a
 method that overtakes the dense model on one domain (a next-token objective can learn a
 corpus's own format) can lead the pooled figure while losing the others; the per-domain rows
@@ -149,12 +154,69 @@ def main() -> None:
                 cells.append(format_interval(fig["vs_reference"], digits=3))
         figures["rows"][name] = row
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    figures["facts"] = {str(run): run_facts(run) for run in runs}
+    lines += ["", *facts_table(runs, figures["facts"])]
     table = "\n".join(lines) + "\n"
     print(table)
     if args.markdown:
         Path(args.markdown).write_text(table)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
+def run_facts(run: Path) -> dict:
+    """What a run spent and how its model generates, from its own ``metrics.json`` and training
+    log: the columns a table of paired runs needs beside their perplexities."""
+    import statistics
+
+    m = json.loads((run / "metrics.json").read_text())
+    budget, gen = m.get("time_budget") or {}, m.get("recovered_generation") or {}
+    seconds: dict[str, list[float]] = {}
+    log = run / "train_log.jsonl"
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        rec = json.loads(line)
+        if "step" in rec and "seconds" in rec:  # a training step's record (validations ride on it)
+            seconds.setdefault(rec.get("phase") or "all", []).append(rec["seconds"])
+    unseen = (m.get("recovered_perplexity") or {}).get("unseen_vs_dense") or {}
+    return {"machine": (m.get("environment") or {}).get("machine"), "code": (m.get("environment") or {}).get("code"),
+            "precision": m.get("precision"), "used_seconds": budget.get("used_seconds"),
+            "budget_seconds": (m.get("time_budget") or {}).get("seconds"), "steps": m.get("train_steps"),
+            "phase_steps": {ph: len(v) for ph, v in seconds.items()},
+            "median_step_seconds": {ph: statistics.median(v) for ph, v in seconds.items()},
+            "trainable_params": m.get("trainable_params"),
+            "unseen_vs_dense": {n: r.get("value") for n, r in unseen.items()},
+            "lambada_last_word": (gen.get("lambada_last_word") or {}).get("value"), "distinct_2": gen.get("distinct_2")}
+
+
+def facts_table(runs: list[Path], facts: dict) -> list[str]:
+    """The runs' own columns (:func:`run_facts`) as markdown, one row a run; the machine and the
+    precision once above it where all the runs share them (else per row)."""
+    def num(v, fmt):
+        return "–" if v is None else format(v, fmt)
+
+    shared = {(f["machine"], f["precision"]) for f in facts.values()}
+    unseen = sorted({n for f in facts.values() for n in f["unseen_vs_dense"]})
+    lines = [f"Machine and precision: {facts[str(runs[0])]['machine']}, {facts[str(runs[0])]['precision']} "
+             "training." if len(shared) == 1 else "Machines: per row (**more than one: do not compare their "
+             "seconds**).", "",
+             "| run | seconds used / budget | steps (per phase) | median s a step (per phase) | trainable | "
+             + "".join(f"{n} × dense | " for n in unseen) + "LAMBADA last word % | distinct-2 |"
+             + ("" if len(shared) == 1 else " machine |"),
+             "|---|---:|---:|---:|---:|" + "---:|" * (len(unseen) + 2) + ("" if len(shared) == 1 else "---|")]
+    for run in runs:
+        f = facts[str(run)]
+        phases = f["phase_steps"]
+        steps = f"{f['steps']}" + (" (" + ", ".join(f"{ph} {n}" for ph, n in phases.items()) + ")" if len(phases) > 1
+                                   else "")
+        costs = ", ".join(f"{ph} {v:.2f}" if len(phases) > 1 else f"{v:.2f}" for ph, v in f["median_step_seconds"].items())
+        used = f"{num(f['used_seconds'], '.0f')} / {num(f['budget_seconds'], '.0f')}"
+        lam = None if f["lambada_last_word"] is None else 100 * f["lambada_last_word"]
+        lines.append(f"| {run.name} | {used} | {steps} | {costs or '–'} | "
+                     + ("–" if f["trainable_params"] is None else f"{f['trainable_params'] / 1e6:.1f}M") + " | "
+                     + "".join(f"{num(f['unseen_vs_dense'].get(n), '.2f')} | " for n in unseen)
+                     + f"{num(lam, '.1f')} | {num(f['distinct_2'], '.2f')} |"
+                     + ("" if len(shared) == 1 else f" {f['machine']} / {f['precision']} |"))
+    return lines
 
 
 def held_out_by(p, cfg, name: str) -> None:

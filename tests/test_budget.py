@@ -709,6 +709,22 @@ def test_a_costlier_later_phase_shortens_the_run_to_its_deadline(assets, tmp_pat
     assert len(log) == m["train_steps"] and log[-1]["alpha"] == 0.0 and log[-1]["lr"] < log[first_ce]["lr"]
 
 
+def test_a_refit_keeps_the_probes_price_for_a_later_phase_it_timed():
+    """Layer-wise steps faster than the probe said do not make the ``ce`` steps faster: a later
+    phase the probe timed on its own steps keeps that price at a re-fit; one it did not time (it
+    was priced as the first phase) is scaled with the first."""
+    costs = StepCosts(step=2.0, validation=0.0, checkpoint=0.0, anneal=2.0, later=4.0, later_share=0.2)
+    timed = replace(costs, later_timed=True)
+
+    def left(c):
+        return Deadline(at=100.0, costs=c, eval_every=0, checkpoint_every=1000).steps_left(1.0, now=0.0)
+
+    assert left(timed) == fit_steps(0.99 * 100, replace(timed, step=1.0, anneal=1.0), 0, 1000) == 62  # 50 x 1 s + 12 x 4 s
+    assert left(costs) == fit_steps(0.99 * 100, replace(costs, step=1.0, anneal=1.0, later=2.0), 0, 1000) == 82  # 66 + 16 x 2
+    assert phase_costs([(0, 0.8, 2.0), (80, 0.2, 4.0)], 80, (0.2, False), 0.0, 0.0).later_timed
+    assert not phase_costs([(0, 1.0, 2.0)], 80, (0.2, False), 0.0, 0.0).later_timed  # the probe never reached it
+
+
 def test_the_later_phase_prices_the_rows_it_reads_past_the_cache():
     """A re-fit that lengthens a one-pass ``ce`` phase past the rows the first plan cached
     reads the data's other rows live: their steps cost a row's features each on top."""

@@ -58,6 +58,17 @@ def test_a_kept_grid_resumes_without_its_models_and_refuses_another_machine(asse
     (row,) = json.loads((out / "results.json").read_text())["rows"]
     assert row["status"] == "ok" and row["ppl"] > 0
 
+    # a cell committed while it ran: its request, config and log, no checkpoint to resume from
+    partial = sorted(p.name for p in cell.parent.iterdir())
+    (cell.parent / "metrics.json").unlink()
+    shutil.rmtree(cell.parent / "plots", ignore_errors=True)
+    (cell.parent / "report.md").unlink(missing_ok=True)
+    assert (cell.parent / "config.yaml").is_file() and not (cell.parent / "checkpoints").exists()
+    assert main(["compare", "--config", config, "--quiet"]) == 0  # resumed with no checkpoint: from its first step
+    assert sorted(p.name for p in cell.parent.iterdir()) == sorted(partial + ["model"])
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["status"] == "ok"
+
     # a cell to add, on a machine other than the one the grid's cells ran on: refused, in one line
     m = json.loads(cell.read_text())
     m["environment"]["machine"] = "Another CPU (x86_64, family 6 model 85, no bf16 instructions)"

@@ -52,7 +52,17 @@ def test_two_runs_are_paired_on_the_rows_they_were_evaluated_on(assets, tmp_path
             assert abs(here["vs_dense"][key] - own["test_vs_dense"]["ratio"][key]) < 1e-3
         for domain, fig in own["domains"].items():
             assert abs(rows[f"test: {domain}"][str(run)]["perplexity"]["value"] - fig["value"]) < 1e-3 * fig["value"]
-    assert "plain / overrep" in (tmp_path / "paired.md").read_text()
+    text = (tmp_path / "paired.md").read_text()
+    assert "plain / overrep" in text
+    # each run's own figures, from its metrics.json and training log
+    facts = json.loads(out.read_text())["facts"]
+    for run in runs:
+        f, m = facts[str(run)], json.loads((run / "metrics.json").read_text())
+        assert f["steps"] == m["train_steps"] == 3 and sum(f["phase_steps"].values()) == 3  # normed>ce: per phase
+        assert set(f["phase_steps"]) == set(f["median_step_seconds"]) == {"normed", "ce"}
+        assert min(f["median_step_seconds"].values()) > 0 and f["trainable_params"] == m["trainable_params"] > 0
+        assert f["machine"] == m["environment"]["machine"] and f["unseen_vs_dense"]
+    assert "| seconds used / budget | steps (per phase) |" in text and f"| {runs[1].name} | – / – | 3 (normed 2, ce 1) |" in text
 
 
 def test_runs_on_other_rows_or_unfinished_are_refused(assets, tmp_path):

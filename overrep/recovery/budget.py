@@ -97,6 +97,8 @@ class StepCosts:
     #: a row read live pays this share of ``row`` (its ``inputs`` only: :attr:`Teacher.live_share
     #: <overrep.recovery.teacher.Teacher.live_share>`)
     live_share: float = 1.0
+    #: ``later`` was timed on the later phase's own steps (else it is the first phase's price)
+    later_timed: bool = False
 
     def later_steps(self, total: int) -> int:
         """Steps of a ``total``-step run in the later phase (as ``Layerwise.set_total_steps`` places its switch)."""
@@ -187,7 +189,7 @@ def phase_costs(timings: list[tuple[int, float, float]], switch: int | None, lat
     step = mean(first) if first else mean(last)
     share, one_pass = later or (0.0, False)
     return StepCosts(step, validation, checkpoint, anneal=timings[0][2], later=mean(last) if last else step,
-                     later_share=share, one_pass=one_pass)
+                     later_share=share, one_pass=one_pass, later_timed=bool(last))
 
 
 #: real steps a budgeted run takes before it re-fits its step count to the time it observes
@@ -224,14 +226,23 @@ class Deadline:
     def steps_left(self, seconds_per_step: float, now: float, done: int = 0, rows: int | None = None,
                    cached: int | None = None) -> int:
         """Steps that fit between ``now`` and the deadline after ``done`` steps when a step in
-        the α > 0 phase takes ``seconds_per_step`` (the other phases scaled alike), the later
-        phase held to one pass over ``rows`` (None: as planned), of which those past ``cached``
-        (None: none) are read live at the measured cost of a row's features (its ``live_share``
-        of it); at least 1."""
+        the α > 0 phase takes ``seconds_per_step`` (the first phase's other stretches scaled
+        alike), the later phase held to one pass over ``rows`` (None: as planned), of which those
+        past ``cached`` (None: none) are read live at the measured cost of a row's features (its
+        ``live_share`` of it); at least 1.
+
+        A later phase the probe timed on its own steps keeps the probe's price: what makes the
+        probe's layer-wise steps dearer or cheaper than the run's does not carry over to a step
+        through the frozen tail. In the twelve two-phase cells of one grid (2.5 minutes, the
+        family 25 EPYC, docs/grid-epyc-f25m17) the layer-wise steps ran at 0.71-1.14x their probe
+        price and the ``ce`` steps at 0.87-1.04x theirs: scaled by the layer-wise factor, the
+        ``ce`` price was up to 29% off (12% on average), unscaled up to 13% (6%), closer on 9 of
+        the 12. The phase re-times itself once it begins (:func:`refit_late_phase`)."""
         scale = seconds_per_step / (self.costs.anneal or self.costs.step)
         live = cached is not None and rows is not None and rows > cached
+        later = self.costs.later if self.costs.later_timed else self.costs.later * scale
         costs = replace(self.costs, step=self.costs.step * scale, anneal=seconds_per_step, row=0.0,
-                        later=self.costs.later * scale, max_rows=self.costs.max_rows if rows is None else rows,
+                        later=later, max_rows=self.costs.max_rows if rows is None else rows,
                         live_row=self.costs.row * self.costs.live_share * scale if live else 0.0,
                         cached=cached or 0)
         return fit_steps(0.99 * (self.at - now), costs, self.eval_every, self.checkpoint_every, done) - done
@@ -267,8 +278,9 @@ def _apply_refit(trainer, total: int, observed: float, phase: str | None = None)
 
 def refit_to_deadline(trainer, timed: list[float]) -> None:
     """Re-fit ``trainer``'s step count to the time left, from the real steps ``timed`` since
-    the last re-fit (the run's first step, which pays one-off costs, left out); the phases
-    not yet reached are scaled by the same factor against the probe."""
+    the last re-fit (the run's first step, which pays one-off costs, left out); the first
+    phase's stretches not yet reached are scaled by the same factor against the probe, a later
+    loss phase the probe timed keeps its price (:meth:`Deadline.steps_left`)."""
     observed = sum(timed) / len(timed)
     left = trainer.deadline.steps_left(observed, time.perf_counter(), done=trainer.step,
                                        rows=trainer.num_samples + trainer.live_rows, cached=trainer.num_samples)
