@@ -180,7 +180,7 @@ def run_facts(run: Path) -> dict:
     unseen = (m.get("recovered_perplexity") or {}).get("unseen_vs_dense") or {}
     return {"machine": (m.get("environment") or {}).get("machine"), "code": (m.get("environment") or {}).get("code"),
             "precision": m.get("precision"), "used_seconds": budget.get("used_seconds"),
-            "budget_seconds": (m.get("time_budget") or {}).get("seconds"), "steps": m.get("train_steps"),
+            "budget_seconds": budget.get("seconds"), "steps": m.get("train_steps"),
             "phase_steps": {ph: len(v) for ph, v in seconds.items()},
             "median_step_seconds": {ph: statistics.median(v) for ph, v in seconds.items()},
             "trainable_params": m.get("trainable_params"),

@@ -121,9 +121,17 @@ def test_benchmark_rp_is_collected_for_every_cell(assets, tmp_path):
     assert "| dense | | " in text and "| pruned, no recovery | | " in text
     for path in (out / "benchmarks").glob("*.json"):  # every model's per-document scores, for paired tests
         assert len(json.loads(path.read_text())["tasks"]["arc_easy"]["per_document"]["ids"]) == 2
-    # --cached-benchmarks: RP where a model was scored, nothing scored anew
+    # a kept grid's cell without its model (compare_folder): RP from its kept results; none, not a
+    # crash, once those are gone too
+    (model_dir,) = [p for p in (out / "cells").glob("*/model") if p.is_dir()]
+    shutil.rmtree(model_dir)
+    assert main(["compare", "--config", config, "--quiet", "--collect-only"]) == 0
+    assert json.loads((out / "results.json").read_text())["rows"][0]["benchmarks"] == row["benchmarks"]
     (cell_file,) = [p for p in (out / "benchmarks").glob("*.json") if not p.name.startswith(("dense", "pruned"))]
     cell_file.unlink()
+    assert main(["compare", "--config", config, "--quiet", "--collect-only"]) == 0
+    assert "benchmarks" not in json.loads((out / "results.json").read_text())["rows"][0] and not cell_file.exists()
+    # --cached-benchmarks: RP where a model was scored (dense, pruned), nothing scored anew
     assert main(["compare", "--config", config, "--quiet", "--collect-only", "--cached-benchmarks"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert "benchmarks" not in results["rows"][0] and "arc_easy" in results["dense"]["benchmarks"]
