@@ -11,7 +11,7 @@ side, ``--parallel``), and one JSON line per finished cell goes to ``--out`` as 
 Fixed steps make the sweep machine-independent, so it can run where steps are cheap (a GPU)
 and still answer a question about a CPU's budget: give each cell the steps that the CPU's
 measured costs (``metrics.json``'s ``time_budget``: seconds a step, seconds a row's
-features) leave in its budget. docs/results.md ("Fixed-step sweep") lists the cells run.
+features) leave in its budget. docs/results-log.md ("Fixed-step sweep") lists the cells run.
 
 Run:  .venv/bin/python scripts/step_sweep.py --out sweep.jsonl --work /tmp/sweep \\
           r768:930:recovery.eval_every=465 r1536:720:data.train_sequences=1536,recovery.eval_every=360

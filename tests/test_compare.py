@@ -121,18 +121,26 @@ def test_benchmark_rp_is_collected_for_every_cell(assets, tmp_path):
     assert "| dense | | " in text and "| pruned, no recovery | | " in text
     for path in (out / "benchmarks").glob("*.json"):  # every model's per-document scores, for paired tests
         assert len(json.loads(path.read_text())["tasks"]["arc_easy"]["per_document"]["ids"]) == 2
+    # a grid moved (or cloned) elsewhere finds its kept results: nothing scored anew
+    kept = sorted(p.name for p in (out / "benchmarks").iterdir())
+    out = out.rename(tmp_path / "moved")
+    assert main(["compare", "--config", config, "--output", str(out), "--quiet", "--collect-only"]) == 0
+    moved = json.loads((out / "results.json").read_text())
+    assert moved["rows"][0]["benchmarks"] == row["benchmarks"] and moved["rows"][0]["model_dir"].startswith(str(out))
+    assert sorted(p.name for p in (out / "benchmarks").iterdir()) == kept
     # a kept grid's cell without its model (compare_folder): RP from its kept results; none, not a
     # crash, once those are gone too
     (model_dir,) = [p for p in (out / "cells").glob("*/model") if p.is_dir()]
     shutil.rmtree(model_dir)
-    assert main(["compare", "--config", config, "--quiet", "--collect-only"]) == 0
+    assert main(["compare", "--config", config, "--output", str(out), "--quiet", "--collect-only"]) == 0
     assert json.loads((out / "results.json").read_text())["rows"][0]["benchmarks"] == row["benchmarks"]
     (cell_file,) = [p for p in (out / "benchmarks").glob("*.json") if not p.name.startswith(("dense", "pruned"))]
     cell_file.unlink()
-    assert main(["compare", "--config", config, "--quiet", "--collect-only"]) == 0
+    assert main(["compare", "--config", config, "--output", str(out), "--quiet", "--collect-only"]) == 0
     assert "benchmarks" not in json.loads((out / "results.json").read_text())["rows"][0] and not cell_file.exists()
     # --cached-benchmarks: RP where a model was scored (dense, pruned), nothing scored anew
-    assert main(["compare", "--config", config, "--quiet", "--collect-only", "--cached-benchmarks"]) == 0
+    assert main(["compare", "--config", config, "--output", str(out), "--quiet", "--collect-only",
+                 "--cached-benchmarks"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert "benchmarks" not in results["rows"][0] and "arc_easy" in results["dense"]["benchmarks"]
     assert "last-0.3" in results["pruned"] and not cell_file.exists()
@@ -386,6 +394,7 @@ def test_a_budget_with_nothing_trained_yet_is_one_line_not_the_closed_forms_agai
                         cell("overrep", "5m", "not run"), cell("plain", "5m", "not run", 1)],
                "dense": {}}
     text = markdown(results)
+    text = text[text.index("## last, ratio"):]  # the tables (the grid at a glance above them has its own rows)
     short = text.split("## last, ratio 0.25, wall-clock budget 5m (features + training)")[1]
     assert short.lstrip().startswith("Not run yet: overrep, plain (every seed); the closed forms are in this plan's")
     assert "| replaceme |" not in short and text.count("| replaceme |") == 1
@@ -395,7 +404,8 @@ def test_a_budget_with_nothing_trained_yet_is_one_line_not_the_closed_forms_agai
     assert (tmp_path / "p.png").stat().st_size > 0
     only_closed = dict(results, rows=[cell("replaceme", "0s"), cell("overrep", "2.5m", "not run"),
                                       cell("overrep", "5m", "not run")])
-    assert markdown(only_closed).count("| replaceme |") == 2  # no plan trained yet: the closed forms stay in every table
+    tables = markdown(only_closed).split("## last, ratio", 1)[1]
+    assert tables.count("| replaceme |") == 2  # no plan trained yet: the closed forms stay in every table
 
 
 def test_the_warm_start_summary_pairs_seeds_and_leaves_out_a_warm_cell_that_started_cold():
@@ -421,6 +431,35 @@ def test_the_warm_start_summary_pairs_seeds_and_leaves_out_a_warm_cell_that_star
     assert "block-influence" not in text and "lora-iso" not in text
     cold_only = dict(results, rows=[r for r in rows if r["criterion"] == "block-influence"])
     assert "## The warm start against the cold one" not in markdown(cold_only)
+
+
+def test_the_grid_at_a_glance_gives_each_method_its_mean_over_seeds_at_every_budget():
+    from overrep.app.compare_report import markdown
+
+    def cell(method, budget, seed, ppl, status="ok", used=100.0, criterion="cosine"):
+        row = {"criterion": criterion, "ratio": 0.25, "budget": budget, "method": method, "seed": seed,
+               "status": status}
+        if status == "ok":
+            row.update(ppl=ppl, trainable_params=1e6, steps=10, removed_layers=[1, 2], recovery_seconds=1.0,
+                       used_seconds=used if budget != "0s" else None, budget_seconds=100.0 if budget != "0s" else None)
+        return row
+
+    rows = [cell("overrep", "2.5m", 0, 80.0), cell("overrep", "2.5m", 1, 90.0), cell("overrep", "2.5m", 2, 0, "failed: x"),
+            cell("lora-iso", "2.5m", 0, 70.0, used=103.0),  # over its budget's +2%
+            cell("overrep", "5m", 0, 60.0), cell("lora-iso", "5m", 0, 0, "not run"),
+            cell("replaceme", "0s", 0, 300.0), cell("overrep", "2.5m", 0, 50.0, criterion="last")]
+    results = {"config": {"criteria": ["cosine", "last"], "ratios": [0.25], "budgets": ["2.5m", "5m", "10m"],
+                          "methods": ["overrep", "lora-iso", "replaceme"], "reference": "overrep"},
+               "rows": rows, "dense": {}}
+    text = markdown(results).split("## The grid at a glance")[1].split("\n## ")[0]
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    assert lines == [
+        "| plan | method | 2.5m | 5m | no training (fit) |",  # 10m: nothing ran, no column
+        "| cosine 0.25 | overrep | 85 (80–90, n=2), 1 failed | **60** (n=1) |  |",
+        "| cosine 0.25 | lora-iso | **70** (n=1) **over budget** |  |  |",  # its 5m cell has not run
+        "| cosine 0.25 | replaceme |  |  | **300** (n=1) |",
+        "| last 0.25 | overrep | **50** (n=1) |  |  |"]
+    assert "## The grid at a glance" not in markdown(dict(results, rows=rows[:1]))  # one entry: no summary
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH: Python 3.11+")

@@ -397,7 +397,7 @@ def test_mixture_packs_each_source_and_keeps_held_out_rows_by_domain(tmp_path):
 
 def test_a_run_on_another_mix_is_checked_to_hold_out_the_scored_documents(tmp_path):
     """check_held_out_by: a split of other sources may be scored on a mixture's rows only where it
-    held out at least the documents those rows hold (docs/results.md, the data mix)."""
+    held out at least the documents those rows hold (docs/results-log.md, the data mix)."""
     from overrep.data.splits import check_held_out_by
     from overrep.data.text import token_splits
     from tiny import tiny_tokenizer

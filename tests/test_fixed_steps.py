@@ -51,7 +51,7 @@ PINNED = {
     "overrep --set cache.mode=live": (292.3488188371474, 934.934629432716),
     "overrep --prune width --set prune.remove=null --set prune.ratio=0.2": (420.5741398781316, 1110.9913861090108),
     "lora --prune width --set prune.remove=null --set prune.ratio=0.2": (419.526808017465, 1110.9466100738255),
-    # block 1 retained since the auto warm start trains its own layout (docs/results.md); its
+    # block 1 retained since the auto warm start trains its own layout (docs/results-log.md); its
     # module's target holds attention sinks, which recovery.loss_sinks weighs apart (docs/losses.md);
     # re-pinned when the fit began to count the sinks at a fixed share (recovery.closed_tokens: balanced)
     "overrep --set recovery.warm_start=auto": (297.34542913510234, 1280.44380607366),

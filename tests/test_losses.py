@@ -123,7 +123,7 @@ def test_mse_is_the_original_objective_bit_for_bit():
 def test_loss_spelling():
     assert losses.parse_loss("normed>kl-topk") == ["normed", "kl-topk"]
     assert RunConfig.load().recovery.loss == "normed>ce"  # the default (docs/losses.md, README)
-    assert RunConfig.load().recovery.loss_switch == 0.75  # chosen on validation (docs/results.md)
+    assert RunConfig.load().recovery.loss_switch == 0.75  # chosen on validation (docs/results-log.md)
     with pytest.raises(OverRepError, match="A>B"):
         RunConfig.load(overrides={"recovery": {"loss": "mse>normed>logit"}})
     with pytest.raises(OverRepError, match="available: mse, normed"):

@@ -47,7 +47,7 @@ def test_every_builtin_preset_round_trips_through_yaml_and_validates_as_a_run(na
 
 @pytest.mark.parametrize("path", PRESET_FILES, ids=[p.stem for p in PRESET_FILES])
 def test_every_shipped_preset_file_loads_under_its_own_name_and_validates_as_a_run(path):
-    """The files results.md names as candidates (``--preset examples/presets/X.yaml``); linear,
+    """The files results-log.md names as candidates (``--preset examples/presets/X.yaml``); linear,
     so that the warm start's fitted function holds from the first step, as ``hybrid-linear``."""
     preset = get_preset(str(path))
     assert preset.name == path.stem and not preset.anneal

@@ -251,7 +251,7 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
             message = (f"recovery.time_budget {asked} leaves {method.name} {short}{' from a warm start' if warm else ''}"
                        f" (about {needed:.0f} s here; recovery.budget_min_steps sets the floor), "
                        # a cold start sets no map up and keeps no closed form to score: on a 2-core CPU,
-                       # a minute's default run is refused warm and beats the closed form cold (docs/results.md)
+                       # a minute's default run is refused warm and beats the closed form cold (docs/results-log.md)
                        + ("start cold (--set recovery.warm_start=none) " if warm else "")
                        + "or use a closed form such as --method replaceme, which trains nothing")
             if not warm:

@@ -364,7 +364,9 @@ class Compare:
             "epochs": (m.get("train_steps") or 0) * per_step / train_seq, "lr": m.get("lr"),
             "train_seconds": m.get("train_seconds"), "feature_seconds": t.get("cache", 0.0),
             "criterion_seconds": t.get("criterion", 0.0), "peak_memory_bytes": m.get("peak_memory_bytes"),
-            "model_dir": m.get("model_dir"), "merge_max_abs_diff": m.get("merge_max_abs_diff"),
+            # the model where the cell's folder is now (metrics.json holds the path it was written at)
+            "model_dir": str(cell.dir / "model") if m.get("model_dir") else None,
+            "merge_max_abs_diff": m.get("merge_max_abs_diff"),
             "kept_step": (m.get("keep_best") or {}).get("step"),  # recovery.keep_best's choice
             "exportable": m.get("exportable", True), "extra_params": m.get("extra_params"),  # LinearPatch: False
         })

@@ -25,9 +25,11 @@ def score(grid, model: str, tag: str, scorable: bool = True) -> dict | None:
     spec = grid.cfg.benchmarks
     if not spec:
         return None
-    path = grid.out / "benchmarks" / f"{tag}-{digest([model, spec], 10)}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
+    folder = grid.out / "benchmarks"
+    path = folder / f"{tag}-{digest([_key(grid, model), spec], 10)}.json"
+    for kept in (path, folder / f"{tag}-{digest([model, spec], 10)}.json"):  # (or as kept before: by the path as given)
+        if kept.is_file():
+            return json.loads(kept.read_text())
     if grid.cached_benchmarks or not scorable:
         return None
     from ..eval.lmeval import evaluate_benchmarks
@@ -35,6 +37,15 @@ def score(grid, model: str, tag: str, scorable: bool = True) -> dict | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     return evaluate_benchmarks(model, tasks=spec.get("tasks", "reasoning"), limit=spec.get("limit", "quick"),
                                output=path, progress=False, device=grid.base["model"].get("device", "auto"))
+
+
+def _key(grid, model: str) -> str:
+    """What names a model's kept results: a folder inside the grid by its path from the grid's
+    folder, so that a grid cloned or moved elsewhere still finds them; anything else as given."""
+    try:
+        return Path(model).resolve().relative_to(grid.out.resolve()).as_posix()
+    except ValueError:
+        return model
 
 
 def collect(grid, rows: list[dict]) -> dict:

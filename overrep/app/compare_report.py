@@ -17,12 +17,7 @@ import matplotlib.ticker  # noqa: E402
 from ..atomic import write_file, write_text  # noqa: E402
 from ..errors import OverRepError  # noqa: E402
 from .compare_config import FREE as FREE_BUDGET  # noqa: E402
-
-
-def fmt_ppl(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    return f"{v:.3g}" if v < 1e4 else f"{v:.2e}"
+from .compare_summary import at_a_glance, fmt_ppl, over_budget, warm_against_cold  # noqa: E402
 
 
 def _groups(results: dict) -> list[tuple[str, float, str, list[dict]]]:
@@ -125,7 +120,7 @@ def _used(r: dict) -> str:
         return f"{r.get('closed_form_seconds') or 0:.0f} (fit)"
     if used is None or not budget:
         return f"{r['recovery_seconds']:.0f}"
-    flag = " **over**" if used > 1.02 * budget else ""
+    flag = " **over**" if over_budget(r) else ""
     return f"{used:.0f} / {budget:.0f}{flag}" + (" (stopped at deadline)" if r.get("stopped_at_deadline") else "")
 
 
@@ -187,6 +182,7 @@ def markdown(results: dict) -> str:
         lines.append(f"Benchmarks: {bench.get('tasks')} at limit {bench.get('limit')} per task; RP = recovered "
                      "average / dense average x 100 over the tasks scored (each plan's second table).")
     lines.append("")
+    lines += at_a_glance(results)
     groups = _groups(results)
     idle = _idle(groups)
     for criterion, ratio, budget, rows in groups:
@@ -246,47 +242,6 @@ def markdown(results: dict) -> str:
               "built the features; extra module: a reference whose patch the stock architecture has no place for "
               "(LinearPatch), scored in memory with its extra parameters and never exported.", ""]
     return "\n".join(lines)
-
-
-#: a grid variant started from the closed form is named after its cold method with this suffix
-WARM_SUFFIX = "-warm"
-
-
-def _started(row: dict, warm: bool) -> bool:
-    """The cell started as its name says (a cell from before runs recorded it: trusted)."""
-    used = row.get("warm_start")
-    return used is None or (used != "none") == warm
-
-
-def warm_against_cold(groups: list) -> list[str]:
-    """Each method run both cold and warm (``X`` and ``X-warm``) on the same seeds of a table:
-    mean validation and test perplexity of each, and on how many seeds the warm start was the
-    better on validation (what a choice reads); lines of markdown, none where no pair ran. A
-    ``-warm`` cell that started cold (``warm_start: auto`` decided so) is not a pair."""
-    table = []
-    for criterion, ratio, budget, rows in groups:
-        ok = {(r["method"], r.get("seed", 0)): r for r in rows if r.get("status") == "ok" and r.get("val_ppl")}
-        for warm in sorted({m for m, _ in ok if m.endswith(WARM_SUFFIX)}):
-            cold = warm[:-len(WARM_SUFFIX)]
-            seeds = sorted(s for m, s in ok if m == warm and (cold, s) in ok and _started(ok[(warm, s)], True)
-                           and _started(ok[(cold, s)], False))
-            if not seeds:
-                continue
-            pair = [(ok[(cold, s)], ok[(warm, s)]) for s in seeds]
-            val = [statistics.mean(x[k]["val_ppl"] for x in pair) for k in (0, 1)]
-            test = [statistics.mean(x[k]["ppl"] for x in pair) for k in (0, 1)]
-            wins = sum(w["val_ppl"] < c["val_ppl"] for c, w in pair)
-            table.append(f"| {criterion} {ratio:g} | {budget} | {cold} | {', '.join(map(str, seeds))} | "
-                         f"{fmt_ppl(val[0])} → {fmt_ppl(val[1])} | {100 * (val[1] / val[0] - 1):+.0f}% | "
-                         f"{wins} of {len(seeds)} | {fmt_ppl(test[0])} → {fmt_ppl(test[1])} |")
-    if not table:
-        return []
-    return ["## The warm start against the cold one", "",
-            "Each method the grid ran both cold and from the closed form (`X` and `X-warm`), on the seeds both "
-            "ran: mean perplexity over those seeds, cold → warm; the change and the seeds on which the warm start "
-            "was better are read on validation, which is what a choice of start may read.", "",
-            "| plan | budget | method | seeds | validation, cold → warm | change | warm better (validation) "
-            "| test, cold → warm |", "|---|---|---|---|---:|---:|---:|---:|", *table, ""]
 
 
 def _by_method(rows: list[dict]) -> dict[str, list[float]]:

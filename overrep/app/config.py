@@ -53,7 +53,7 @@ class DataConfig:
     seq_len: int = 256  # tokens per packed training sequence
     # packed training sequences: what a time budget may cache (it caches the rows its plan needs). 1536 (was 768):
     # on the family 26 EPYC the next-token phase's one pass wanted more than 768, and the 12-minute default
-    # reached validation 46.0-46.4 on ~1,100 of them against 48.1-48.7 on 768 (docs/results.md)
+    # reached validation 46.0-46.4 on ~1,100 of them against 48.1-48.7 on 768 (docs/results-log.md)
     train_sequences: int = 1536
     heldout_sequences: int = 192  # test rows, the report's perplexity (mixture: equal shares per source), from documents no other split uses; never read by training or any choice (docs/evaluation.md)
     validation_sequences: int = 32  # validation rows, from documents no other split uses: every choice reads these (val_ppl, val_loss, recovery.keep_best, a time budget's refit) (0: none)

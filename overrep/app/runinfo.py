@@ -58,7 +58,7 @@ def processor(device: torch.device) -> str:
 def describe_cpu(cpuinfo: str, arch: str) -> str:
     """:func:`processor` from the text of ``/proc/cpuinfo``. Two CPUs can share a model name: two
     2-core ``AMD EPYC`` machines, family 25 model 17 and family 26 model 2, both with AVX512-BF16,
-    ran the same 12-minute default at steps 1.5-1.8x apart (docs/results.md), so the family and
+    ran the same 12-minute default at steps 1.5-1.8x apart (docs/results-log.md), so the family and
     model numbers are part of the name where the kernel gives them (x86)."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():

@@ -30,7 +30,7 @@ then build the cache. Short budgets cache fewer rows and see each ``recovery.bud
 times (default 6); long ones cache all the data and go over it more often. Where a row's
 features cost more than its share of a step (a short budget, a deep mask, fp32 on a CPU),
 more passes over fewer rows buy more steps for the same seconds; whether those steps are
-worth more than fresh rows is measured in docs/results.md ("Rows against steps").
+worth more than fresh rows is measured in docs/results-log.md ("Rows against steps").
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class LossOptions:
     loss: str = "normed>ce"  # overrep / plain / streamline: mse (the paper's) | normed | fisher | logit | kl-topk | ce, or A>B: A, then B (see `overrep methods`); normed, then the next-token loss for the last fifth of the steps: better on every domain, unseen ones included, than normed alone at the same seconds (docs/losses.md)
     loss_lambda: float = 0.1  # normed: weight of the log-RMS (magnitude) term
     loss_sinks: float = 0.1  # normed: weight of the attention sinks' mean loss beside the other tokens' mean (a plain mean: about 1/255; without it a module can turn a massive activation away and break the model: docs/losses.md)
-    loss_switch: float = 0.75  # A>B losses: fraction of the steps after which B replaces A (0.75 chosen on validation, docs/results.md; 0.8 before); later where a B that learns the text (ce, ce+kl) would see a row twice
+    loss_switch: float = 0.75  # A>B losses: fraction of the steps after which B replaces A (0.75 chosen on validation, docs/results-log.md; 0.8 before); later where a B that learns the text (ce, ce+kl) would see a row twice
     loss_kd: float = 0.5  # ce+kl: weight w of the KL to the dense model's top-K; the text's cross-entropy weighs 1 - w
     loss_topk: int = 64  # kl-topk, ce+kl: teacher log-probabilities cached per token
     loss_topk_rest: bool = True  # kl-topk: add one bucket for all tokens outside the top-K (else renormalise on it)

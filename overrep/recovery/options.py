@@ -29,7 +29,7 @@ AUTO_RUN_LIMIT, DEFAULT_RUN_LIMIT, DEFAULT_TIME_BUDGET = "auto", "18m", "12m"
 class TrainingOptions:
     method: str = "overrep"  # a name in overrep.recovery.methods.METHODS (`overrep methods` lists them)
     preset: str = "hybrid"  # overrep / overrep-kd: built-in preset name (see `overrep presets`) or a preset .yaml file
-    blocks: int | str = "auto"  # recovery blocks per removed run (block before it + blocks after it); "auto": 2 for a mask of one run (3 from the auto warm start), 1 for several separate runs (each measured better there: docs/results-former-protocol.md, docs/results.md)
+    blocks: int | str = "auto"  # recovery blocks per removed run (block before it + blocks after it); "auto": 2 for a mask of one run (3 from the auto warm start), 1 for several separate runs (each measured better there: docs/results-former-protocol.md, docs/results-log.md)
     # a module may extend into the model's final block and end at the final norm's output (the paper's
     # layout on its mask); off: it stops before the final block (better per wall-clock: docs/results-former-protocol.md)
     final_block: bool = False
@@ -38,7 +38,7 @@ class TrainingOptions:
     epochs: float = 4.5  # passes over the training sequences (used when neither steps nor time_budget is set)
     time_budget: str | None = DEFAULT_TIME_BUDGET  # wall-clock for feature caching + training, e.g. "20m", "90s", "1.5h": fixes the step count by measurement (steps, when set, take precedence; epochs only size the data)
     run_limit: str | None = AUTO_RUN_LIMIT  # the whole `overrep run`'s wall-clock (loading, evaluation and export; not installation), e.g. "20m": the time budget is cut to what it leaves after the final evaluation, predicted from the dense model's | "auto": 18m with the default time_budget (so that `make run` with its installation fits 20 minutes on a 2-core CPU), none with a budget you set | null: never cut (docs/configuration.md, "Time budgets"); `overrep compare`'s cells never use it
-    budget_passes: float = 6.0  # time budget, methods on cached features: passes over each cached row the step count is planned for (at most data.train_sequences rows: a long budget caches them all and passes more often); fewer rows seen more often buy steps where features are dear: 6 (was 1) measured better on validation at 2.5 minutes in bf16 and in fixed-step fp32 cells, level in budgeted fp32 runs (docs/results.md, "Rows against steps")
+    budget_passes: float = 6.0  # time budget, methods on cached features: passes over each cached row the step count is planned for (at most data.train_sequences rows: a long budget caches them all and passes more often); fewer rows seen more often buy steps where features are dear: 6 (was 1) measured better on validation at 2.5 minutes in bf16 and in fixed-step fp32 cells, level in budgeted fp32 runs (docs/results-log.md, "Rows against steps")
     batch_size: int = 8  # sequences per optimiser step (before accumulation)
     grad_accum: int = 1  # micro-batches accumulated per step
     lr: float | None = None  # peak learning rate (AdamW); None = the method's default (`overrep methods` lists them)

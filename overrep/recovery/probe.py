@@ -34,7 +34,7 @@ def measure(trainer, steps: int = 3, within: float | None = None) -> StepCosts:
     what cheap layer-wise stretches do not spend goes to a dearer later phase: with an equal
     third each, an Intel Xeon (family 6 model 167) timed one next-token step of the 12-minute
     default at 9.1 s against 1.7 s in training, planned its switch for that price and left
-    133 s of its 720 unused (docs/results.md)."""
+    133 s of its 720 unused (docs/results-log.md)."""
     trainer.objective.train(True)
     spans = trainer.stretches()
     left = [within]  # the probe's seconds not yet spent on timed steps

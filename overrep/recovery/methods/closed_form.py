@@ -19,7 +19,7 @@ function the features describe).
 ``recovery.warm_start: auto`` warm-starts where it is measured to help and the fit applies
 (:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep; Plain and
 Streamline measured level or worse from it over three seeds: docs/closed-forms.md), block
-pruning, a mask of one removed run (several runs measured worse warm: docs/results.md), and
+pruning, a mask of one removed run (several runs measured worse warm: docs/results-log.md), and
 every removed run foldable (:func:`~overrep.recovery.closed_form.fold_blocker`);
 anywhere else the run starts cold and ``metrics.json`` says why.
 """
@@ -55,7 +55,7 @@ WARM_PRESETS = {"hybrid": "hybrid-linear"}
 #: (OverRep) and the mask removes one run with room for it (:func:`warm_layout_fits`): block 1
 #: is the retained block the fit folds into (ReplaceMe's own layout), and three recovery blocks
 #: where ``recovery.blocks`` is ``auto``. Chosen on validation by fixed-step sweeps whose step
-#: counts match the 2-core CPU's cost of each layout (three seeds each, docs/results.md, "The
+#: counts match the 2-core CPU's cost of each layout (three seeds each, docs/results-log.md, "The
 #: warm start's own layout"): the cosine mask at 25%, 78.9 against 81.3 for the stitched
 #: two-block module; the cosine mask at 50%, 199 against 428.
 WARM_BLOCK1 = "retained"
@@ -68,7 +68,7 @@ def warm_layout_fits(num_layers: int, removed: list[int], final_block: bool) -> 
     blocks after the run that a module may take (the final block only where
     ``recovery.final_block``), so that the module reaches its three blocks. On the paper's mask
     (run 18-28 of 30: one block after it) the module stays two blocks and retained block 1 lost
-    to the stitched one: validation 142.4 against 128.1, three seeds (docs/results.md)."""
+    to the stitched one: validation 142.4 against 128.1, three seeds (docs/results-log.md)."""
     # the module the layout would plan, laid out as the run will lay it out
     layers = plan_pruning(num_layers, removed, blocks=WARM_BLOCKS_ONE_RUN, block1_init=WARM_BLOCK1,
                           final_block=final_block).groups[0].module_layers
