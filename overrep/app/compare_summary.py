@@ -21,10 +21,15 @@ def over_budget(row: dict) -> bool:
     return bool(used and budget and used > 1.02 * budget)
 
 
+def _perplexities(rows: list[dict]) -> list[float]:
+    """The test perplexities of the seeds that finished."""
+    return [r["ppl"] for r in rows if r.get("status") == "ok" and r.get("ppl") is not None]
+
+
 def _glance_cell(rows: list[dict], best: bool) -> str:
     """Mean test perplexity over the cells' seeds, their range and number; refused or failed
     seeds counted, a cell over its budget flagged."""
-    ok = [r["ppl"] for r in rows if r.get("status") == "ok" and r.get("ppl") is not None]
+    ok = _perplexities(rows)
     failed = len(rows) - len(ok)
     if not ok:
         return f"failed ({failed} of {len(rows)})"
@@ -55,7 +60,7 @@ def at_a_glance(results: dict) -> list[str]:
         return []
 
     def mean(key):
-        ok = [r["ppl"] for r in cells.get(key, []) if r.get("status") == "ok" and r.get("ppl") is not None]
+        ok = _perplexities(cells.get(key, []))
         return statistics.mean(ok) if ok else math.inf
 
     names = {FREE_BUDGET: "no training (fit)"}
