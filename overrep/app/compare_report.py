@@ -17,7 +17,7 @@ import matplotlib.ticker  # noqa: E402
 from ..atomic import write_file, write_text  # noqa: E402
 from ..errors import OverRepError  # noqa: E402
 from .compare_config import FREE as FREE_BUDGET  # noqa: E402
-from .compare_summary import at_a_glance, fmt_ppl, over_budget, warm_against_cold  # noqa: E402
+from .compare_summary import at_a_glance, fmt_ppl, over_budget, rp_value, started_cold, warm_against_cold  # noqa: E402
 
 
 def _groups(results: dict) -> list[tuple[str, float, str, list[dict]]]:
@@ -68,8 +68,7 @@ def _steps(row: dict) -> str:
 
 def _rp(row: dict) -> str:
     """RP over every task the grid scored (the ``rp`` selection's five), else the reasoning suite's."""
-    rp = row.get("rp") or {}
-    value = rp.get("rp", rp.get("reasoning"))
+    value = rp_value(row)
     return "–" if value is None else f"{value:.1f}"
 
 
@@ -211,7 +210,8 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {r['method']} | {r.get('seed', 0)} | {r.get('status')} ||||||||||| ")
                 continue
             ratio_ci = r.get("ratio_to_dense") or {}
-            extra = " (extra module, not exportable)" if r.get("exportable") is False else ""  # LinearPatch
+            extra = (" (extra module, not exportable)" if r.get("exportable") is False  # LinearPatch
+                     else " (started cold: too short for the warm start)" if started_cold(r) else "")
             lines.append(
                 f"| {r['method']}{extra} | {r.get('seed', 0)} | {_ci(r)} | "
                 + (f"{ratio_ci['value']:.2f} [{ratio_ci['low']:.2f}, {ratio_ci['high']:.2f}]" if ratio_ci else "–")

@@ -21,14 +21,37 @@ def over_budget(row: dict) -> bool:
     return bool(used and budget and used > 1.02 * budget)
 
 
+#: a grid variant started from the closed form is named after its cold method with this suffix
+WARM_SUFFIX = "-warm"
+
+
+def _started(row: dict, warm: bool) -> bool:
+    """The cell started as its name says (a cell from before runs recorded it: trusted)."""
+    used = row.get("warm_start")
+    return used is None or (used != "none") == warm
+
+
+def started_cold(row: dict) -> bool:
+    """A ``-warm`` cell that ``recovery.warm_start: auto`` started cold (its budget left the warm start
+    too few steps): a cold start under the warm start's name."""
+    return row["method"].endswith(WARM_SUFFIX) and not _started(row, True)
+
+
 def _perplexities(rows: list[dict]) -> list[float]:
     """The test perplexities of the seeds that finished."""
     return [r["ppl"] for r in rows if r.get("status") == "ok" and r.get("ppl") is not None]
 
 
+def rp_value(row: dict) -> float | None:
+    """A scored cell's RP over every task the grid scored (the ``rp`` selection), else the reasoning suite's."""
+    rp = row.get("rp") or {}
+    return rp.get("rp", rp.get("reasoning"))
+
+
 def _glance_cell(rows: list[dict], best: bool) -> str:
     """Mean test perplexity over the cells' seeds, their range and number; refused or failed
-    seeds counted, a cell over its budget flagged."""
+    seeds counted, a cell over its budget flagged, a ``-warm`` cell that ``warm_start: auto``
+    started cold said so, and the mean RP of the seeds scored on the benchmarks."""
     ok = _perplexities(rows)
     failed = len(rows) - len(ok)
     if not ok:
@@ -38,6 +61,12 @@ def _glance_cell(rows: list[dict], best: bool) -> str:
     text += f" ({fmt_ppl(min(ok))}–{fmt_ppl(max(ok))}, n={len(ok)})" if len(ok) > 1 else " (n=1)"
     if failed:
         text += f", {failed} failed"
+    cold = [r for r in rows if r.get("status") == "ok" and started_cold(r)]
+    if cold:
+        text += f", started cold ({len(cold)} of {len(ok)})"
+    rp = [v for r in rows if r.get("status") == "ok" and (v := rp_value(r)) is not None]
+    if rp:
+        text += f"; RP {statistics.mean(rp):.1f}" + (f" (n={len(rp)})" if len(rp) < len(ok) else "")
     return text + (" **over budget**" if any(over_budget(r) for r in rows) else "")
 
 
@@ -66,7 +95,9 @@ def at_a_glance(results: dict) -> list[str]:
     names = {FREE_BUDGET: "no training (fit)"}
     lines = ["## The grid at a glance", "",
              "Test perplexity, the mean over the seeds each cell ran (their range, and how many); the lowest "
-             "mean of each plan's column in bold. The tables that follow give every seed with its interval, "
+             "mean of each plan's column in bold; RP: the mean retained performance of the seeds scored on the "
+             "benchmarks (how many, where not all were); started cold: seeds of a `-warm` method that "
+             "`recovery.warm_start: auto` started cold (its budget left the warm start too few steps). The tables that follow give every seed with its interval, "
              "its paired ratio to the dense model, each domain, the seconds it used and the validation figure "
              "that choices read.", "",
              "| plan | method | " + " | ".join(names.get(b, b) for b in columns) + " |",
@@ -82,16 +113,6 @@ def at_a_glance(results: dict) -> list[str]:
                 entries.append(_glance_cell(cells[key], mean(key) == best[b] < math.inf) if key in cells else "")
             lines.append(f"| {criterion} {ratio:g} | {m} | " + " | ".join(entries) + " |")
     return lines + [""]
-
-
-#: a grid variant started from the closed form is named after its cold method with this suffix
-WARM_SUFFIX = "-warm"
-
-
-def _started(row: dict, warm: bool) -> bool:
-    """The cell started as its name says (a cell from before runs recorded it: trusted)."""
-    used = row.get("warm_start")
-    return used is None or (used != "none") == warm
 
 
 def warm_against_cold(groups: list) -> list[str]:
