@@ -97,9 +97,9 @@ def at_a_glance(results: dict) -> list[str]:
              "Test perplexity, the mean over the seeds each cell ran (their range, and how many); the lowest "
              "mean of each plan's column in bold; RP: the mean retained performance of the seeds scored on the "
              "benchmarks (how many, where not all were); started cold: seeds of a `-warm` method that "
-             "`recovery.warm_start: auto` started cold (its budget left the warm start too few steps). The tables that follow give every seed with its interval, "
-             "its paired ratio to the dense model, each domain, the seconds it used and the validation figure "
-             "that choices read.", "",
+             "`recovery.warm_start: auto` started cold (its budget left the warm start too few steps). "
+             "The tables that follow give every seed with its interval, its paired ratio to the dense model, "
+             "each domain, the seconds it used and the validation figure that choices read.", "",
              "| plan | method | " + " | ".join(names.get(b, b) for b in columns) + " |",
              "|---|---|" + "---:|" * len(columns)]
     for criterion, ratio in plans:
