@@ -451,6 +451,7 @@ def test_the_grid_at_a_glance_gives_each_method_its_mean_over_seeds_at_every_bud
             cell("overrep-warm", "2.5m", 0, 95.0), cell("overrep-warm", "2.5m", 1, 85.0)]
     rows[0]["rp"], rows[1]["rp"], rows[4]["rp"] = {"rp": 90.0}, {"rp": 80.0}, {"rp": 95.0}  # scored on the benchmarks
     rows[-2]["warm_start"], rows[-1]["warm_start"] = "none", "replaceme"  # auto started seed 0 cold
+    rows[-2]["cold_because"] = "the time budget leaves the warm start 3 of the 20 optimiser steps it needs"
     results = {"config": {"criteria": ["cosine", "last"], "ratios": [0.25], "budgets": ["2.5m", "5m", "10m"],
                           "methods": ["overrep", "overrep-warm", "lora-iso", "replaceme"], "reference": "overrep"},
                "rows": rows, "dense": {}}
@@ -459,11 +460,14 @@ def test_the_grid_at_a_glance_gives_each_method_its_mean_over_seeds_at_every_bud
     assert lines == [
         "| plan | method | 2.5m | 5m | no training (fit) |",  # 10m: nothing ran, no column
         "| cosine 0.25 | overrep | 85 (80–90, n=2), 1 failed; RP 85.0 | **60** (n=1); RP 95.0 |  |",
-        "| cosine 0.25 | overrep-warm | 90 (85–95, n=2), started cold (1 of 2) |  |  |",
+        "| cosine 0.25 | overrep-warm | 90 (85–95, n=2), started cold: too short for the warm start (1 of 2) |  |  |",
         "| cosine 0.25 | lora-iso | **70** (n=1) **over budget** |  |  |",  # its 5m cell has not run
         "| cosine 0.25 | replaceme |  |  | **300** (n=1) |",
         "| last 0.25 | overrep | **50** (n=1) |  |  |"]
     assert "| overrep-warm (started cold: too short for the warm start) | 0 |" in markdown(results)
+    rows[-2]["cold_because"] = "the mask removes 5 separate runs, where the warm start measured worse"
+    assert "| overrep-warm (started cold: a mask of several runs) | 0 |" in markdown(results)
+    assert "started cold: a mask of several runs (1 of 2)" in markdown(results)
     rows[1]["rp"] = None  # one of two seeds scored: the RP says of how many
     assert "85 (80–90, n=2), 1 failed; RP 90.0 (n=1) |" in markdown(results)
     assert "## The grid at a glance" not in markdown(dict(results, rows=rows[:1]))  # one entry: no summary

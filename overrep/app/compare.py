@@ -398,6 +398,7 @@ def _protocol_figures(m: dict) -> dict:
             "lambada_last_word": (gen.get("lambada_last_word") or {}).get("value"),
             "distinct_2": gen.get("distinct_2"),
             "warm_start": (m.get("warm_start") or {}).get("used"),  # what the run started from (auto decides)
+            "cold_because": (m.get("warm_start") or {}).get("why"),  # why auto started it cold, where it did
             "closed_form_seconds": _fit_seconds(m.get("closed_form") or {})}
 
 

@@ -17,7 +17,8 @@ import matplotlib.ticker  # noqa: E402
 from ..atomic import write_file, write_text  # noqa: E402
 from ..errors import OverRepError  # noqa: E402
 from .compare_config import FREE as FREE_BUDGET  # noqa: E402
-from .compare_summary import at_a_glance, fmt_ppl, over_budget, rp_value, started_cold, warm_against_cold  # noqa: E402
+from .compare_summary import (at_a_glance, cold_reason, fmt_ppl, over_budget, rp_value, started_cold,  # noqa: E402
+                              warm_against_cold)
 
 
 def _groups(results: dict) -> list[tuple[str, float, str, list[dict]]]:
@@ -211,7 +212,7 @@ def markdown(results: dict) -> str:
                 continue
             ratio_ci = r.get("ratio_to_dense") or {}
             extra = (" (extra module, not exportable)" if r.get("exportable") is False  # LinearPatch
-                     else " (started cold: too short for the warm start)" if started_cold(r) else "")
+                     else f" (started cold: {cold_reason(r)})" if started_cold(r) else "")
             lines.append(
                 f"| {r['method']}{extra} | {r.get('seed', 0)} | {_ci(r)} | "
                 + (f"{ratio_ci['value']:.2f} [{ratio_ci['low']:.2f}, {ratio_ci['high']:.2f}]" if ratio_ci else "–")

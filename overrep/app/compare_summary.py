@@ -33,8 +33,20 @@ def _started(row: dict, warm: bool) -> bool:
 
 def started_cold(row: dict) -> bool:
     """A ``-warm`` cell that ``recovery.warm_start: auto`` started cold (its budget left the warm start
-    too few steps): a cold start under the warm start's name."""
+    too few steps, or its mask is one where the warm start measured worse): a cold start under the
+    warm start's name."""
     return row["method"].endswith(WARM_SUFFIX) and not _started(row, True)
+
+
+def cold_reason(row: dict) -> str:
+    """Why ``auto`` started a :func:`started_cold` cell cold, in a few words (the run's own sentence
+    is its ``metrics.json``'s ``warm_start.why``)."""
+    why = row.get("cold_because") or ""
+    if "separate runs" in why:
+        return "a mask of several runs"
+    if "time budget" in why:
+        return "too short for the warm start"
+    return "auto's choice"
 
 
 def _perplexities(rows: list[dict]) -> list[float]:
@@ -63,7 +75,8 @@ def _glance_cell(rows: list[dict], best: bool) -> str:
         text += f", {failed} failed"
     cold = [r for r in rows if r.get("status") == "ok" and started_cold(r)]
     if cold:
-        text += f", started cold ({len(cold)} of {len(ok)})"
+        why = "; ".join(dict.fromkeys(cold_reason(r) for r in cold))
+        text += f", started cold: {why} ({len(cold)} of {len(ok)})"
     rp = [v for r in rows if r.get("status") == "ok" and (v := rp_value(r)) is not None]
     if rp:
         text += f"; RP {statistics.mean(rp):.1f}" + (f" (n={len(rp)})" if len(rp) < len(ok) else "")
@@ -97,7 +110,8 @@ def at_a_glance(results: dict) -> list[str]:
              "Test perplexity, the mean over the seeds each cell ran (their range, and how many); the lowest "
              "mean of each plan's column in bold; RP: the mean retained performance of the seeds scored on the "
              "benchmarks (how many, where not all were); started cold: seeds of a `-warm` method that "
-             "`recovery.warm_start: auto` started cold (its budget left the warm start too few steps). "
+             "`recovery.warm_start: auto` started cold, and why (its budget left the warm start too few steps, "
+             "or its mask removes several separate runs, where the warm start measured worse). "
              "The tables that follow give every seed with its interval, its paired ratio to the dense model, "
              "each domain, the seconds it used and the validation figure that choices read.", "",
              "| plan | method | " + " | ".join(names.get(b, b) for b in columns) + " |",
