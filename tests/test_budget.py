@@ -92,6 +92,8 @@ def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(as
     assert not fits  # refused on the probe, before the map's fit spent the budget's seconds
     assert auto["warm_start"]["setting"] == "auto" and auto["warm_start"]["used"] == "none"
     assert re.search(r"leaves the warm start \d+ of the 100 optimiser steps it needs \(about \d+ s here\)", auto["warm_start"]["why"])
+    from overrep.app.compare_summary import cold_reason  # the grid's tables name that reason from this sentence
+    assert cold_reason({"cold_because": auto["warm_start"]["why"]}) == "too short for the warm start"
     assert auto["train_steps"] >= 3
     assert len(probes) == 1 and "warm start's probe" in auto["time_budget"]["timed_by"]  # not timed a second time
     cold = Pipeline(cfg("cold", recovery__warm_start="none"), progress=False).run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -262,6 +263,11 @@ def test_variants_plans_and_closed_forms_in_one_grid(assets, tmp_path):
     rows = {(r["method"], r["budget"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
     assert set(rows) == {("overrep", "6s"), ("overrep-warm", "6s"), ("replaceme", "0s"), ("linearpatch", "0s")}
     assert all(r["status"] == "ok" for r in rows.values())
+    # 0s named as a budget is the closed forms' column: no 0-second cell of a method that trains
+    assert Compare(dataclasses.replace(cfg, budgets=["6s", "0s"])).plan_cells() == 2 + 2
+    assert main(["compare", "--config", config, "--budgets", "6s,0s", "--collect-only", "--quiet"]) == 0
+    again = {(r["method"], r["budget"]) for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert again == set(rows)
     warm = yaml.safe_load((out / "cells" / rows[("overrep-warm", "6s")]["cell"].split("/")[-1] / "config.yaml")
                           .read_text())
     assert warm["recovery"]["warm_start"] == "replaceme" and warm["recovery"]["method"] == "overrep"
