@@ -92,7 +92,8 @@ def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(as
     assert not fits  # refused on the probe, before the map's fit spent the budget's seconds
     assert auto["warm_start"]["setting"] == "auto" and auto["warm_start"]["used"] == "none"
     assert re.search(r"leaves the warm start \d+ of the 100 optimiser steps it needs \(about \d+ s here\)", auto["warm_start"]["why"])
-    from overrep.app.compare_summary import cold_reason  # the grid's tables name that reason from this sentence
+    assert auto["warm_start"]["cold"] == "budget"  # the reason as a code, for the grid's tables
+    from overrep.app.compare_summary import cold_reason  # a grid cell of older code: named from the sentence
     assert cold_reason({"cold_because": auto["warm_start"]["why"]}) == "too short for the warm start"
     assert auto["train_steps"] >= 3
     assert len(probes) == 1 and "warm start's probe" in auto["time_budget"]["timed_by"]  # not timed a second time
@@ -108,7 +109,8 @@ def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(as
     again = cfg("again")
     run_killed_at(monkeypatch, again, 2)
     resumed = Pipeline(again, resume=True, progress=False).run()
-    assert resumed["warm_start"] == {"setting": "auto", "used": "none", "preset": "hybrid", "why": RESUMED_COLD}
+    assert resumed["warm_start"] == {"setting": "auto", "used": "none", "preset": "hybrid", "why": RESUMED_COLD[1],
+                                     "cold": "resumed"}
     assert resumed["recovery_modules"] == cold["recovery_modules"]
     # a budget too short for the cold start too: its refusal says the warm start was tried first
     monkeypatch.setattr(budgeting, "MIN_BUDGET_STEPS", 100)
@@ -769,3 +771,76 @@ def test_a_next_token_phase_reads_past_the_cached_rows_when_a_refit_lengthens_it
     # the phase's share (a fifth) is more than the cached rows hold: one pass over all 64 rows
     assert len(ce) == 16 and tb["live_rows"] == 64 - tb["rows"] and tb["live_seconds"] > 0
     assert m["merge_max_rel_diff"] <= 1e-5 and log[-1]["alpha"] == 0.0
+
+
+def _two_phase_trainer(tmp_path, monkeypatch, clock, checkpoint_every=1000):
+    """A trainer of ``mse>normed`` (the switch at step 50 of 100) on a clock the test sets."""
+    from overrep.recovery import trainer as trainer_mod
+    from overrep.recovery.losses import LossOptions
+    from overrep.recovery.objectives import Layerwise
+    from overrep.recovery.options import TrainingOptions
+    from tiny import LinearModule
+
+    objective = Layerwise([LinearModule()], [[]], None, options=LossOptions(loss="mse>normed", loss_switch=0.5),
+                          total_steps=100)
+    objective.activations = []
+    monkeypatch.setattr(trainer_mod.time, "perf_counter", lambda: clock[0])
+    cfg = TrainingOptions(batch_size=8, lr=1e-3, checkpoint_every=checkpoint_every)
+    return trainer_mod.Trainer(objective, 64, cfg, 100, tmp_path / "ckpt", progress=False)
+
+
+def test_the_probe_prices_a_validation_in_each_phase(tmp_path, monkeypatch):
+    """A later phase validates its own loss (``ce`` through the frozen tail and the head): the
+    probe times the loss part of a validation in each phase it timed, the perplexity part once,
+    and the run's last validation is priced at the later phase's (five-minute two-phase cells
+    had validated at the end in 1.1-1.5x what a first-phase one cost, one 7 s past its budget)."""
+    import torch
+
+    from overrep.recovery.objectives import Layerwise
+
+    clock = [0.0]
+    t = _two_phase_trainer(tmp_path, monkeypatch, clock)
+    monkeypatch.setattr(type(t), "_step", lambda self: (self.objective.after_optimizer_step(self.step),
+                                                        clock.__setitem__(0, clock[0] + 1.0), (0.0, torch.tensor(0.0)))[2])
+    seconds = {"mse": 0.25, "normed": 1.0}  # a validation's loss on a quarter of the rows
+    monkeypatch.setattr(Layerwise, "validation_loss",
+                        lambda self: clock.__setitem__(0, clock[0] + seconds[self.current()]))
+    costs = t.measure()
+    # (no perplexity rows here, so nothing to scale up)
+    assert costs.validation == 0.25 and costs.later_validation == 1.0 and costs.last_validation == 1.0
+    assert costs.validations_seconds(3) == 2 * 0.25 + 1.0 and costs.validations_seconds(0) == 0.0
+    assert costs.run_seconds(100, 50, 1000) == 50 * 1.0 + 50 * 1.0 + 0.25 + 1.0 + costs.checkpoint
+    assert t.objective.current() == "mse" and t.step == 0  # back at the start
+    # a later phase the probe never reached is priced as the first, its validation too
+    assert phase_costs([(0, 1.0, 2.0)], 80, (0.2, False), 1.0, 0.0, 4.0).last_validation == 1.0
+
+
+def test_the_stop_at_the_deadline_reserves_the_next_steps_checkpoint_and_its_phases_validation(tmp_path, monkeypatch):
+    """Before the next step the run keeps room for what follows it: the validation of the step
+    it would stop at, priced in that step's phase, and the checkpoint that step writes (the
+    last step's, for one); a validation the run times replaces the price of its own phase."""
+    clock = [0.0]
+    t = _two_phase_trainer(tmp_path, monkeypatch, clock, checkpoint_every=24)
+    costs = StepCosts(1.0, validation=2.0, checkpoint=3.0, later=1.0, later_share=0.5, later_validation=5.0)
+    t.deadline, t.eval_every = Deadline(at=100.0, costs=costs, eval_every=100, checkpoint_every=24), 100
+    switch = t.objective.phase_starts()[0]
+    steps = [1.0, 1.0, 1.0]
+
+    def stops(step: int, left: float) -> bool:
+        t.step, clock[0] = step, 100.0 - left
+        return t.past_deadline(steps)
+
+    assert not stops(10, 3.5) and stops(10, 2.5)  # a step and a first-phase validation: 3 s
+    assert not stops(switch + 1, 6.5) and stops(switch + 1, 5.5)  # a later-phase validation: 6 s
+    assert stops(switch - 1, 5.5)  # the next step is the later phase's first
+    assert not stops(23, 6.5) and stops(23, 5.5) and not stops(25, 3.5)  # step 24 writes a checkpoint
+    assert t.stopped_at is not None
+    # the validation the run times prices its own phase from then on
+    from overrep.recovery.objectives import Layerwise
+
+    monkeypatch.setattr(Layerwise, "validation_loss", lambda self: clock.__setitem__(0, clock[0] + 7.0))
+    t.step = switch + 2
+    t.objective.after_optimizer_step(t.step - 1)
+    assert t.validate()["val_seconds"] == 7.0
+    assert t.deadline.costs.later_validation == 7.0 and t.deadline.costs.validation == 2.0
+    assert t.validation_price(switch + 3) == 7.0 and t.validation_price(10) == 2.0

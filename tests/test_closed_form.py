@@ -377,7 +377,8 @@ def test_auto_warm_start_keeps_the_blocks_the_user_set_and_cold_runs_keep_the_st
     runs.load(create_output=False)
     assert runs.metrics["warm_start"]["used"] == "none"
     assert "removes 2 separate runs, where the warm start measured worse" in runs.metrics["warm_start"]["why"]
-    from overrep.app.compare_summary import cold_reason  # the grid's tables name that reason from this sentence
+    assert runs.metrics["warm_start"]["cold"] == "runs"  # the reason as a code, for the grid's tables
+    from overrep.app.compare_summary import cold_reason  # a grid cell of older code: named from the sentence
     assert cold_reason({"cold_because": runs.metrics["warm_start"]["why"]}) == "a mask of several runs"
     assert runs.rcfg.warm_start == "none"
     # asked for, it warms them in the layout configured: stitched, one block a run

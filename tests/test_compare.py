@@ -474,6 +474,8 @@ def test_the_grid_at_a_glance_gives_each_method_its_mean_over_seeds_at_every_bud
     rows[-2]["cold_because"] = "the mask removes 5 separate runs, where the warm start measured worse"
     assert "| overrep-warm (started cold: a mask of several runs) | 0 |" in markdown(results)
     assert "started cold: a mask of several runs (1 of 2)" in markdown(results)
+    rows[-2]["cold_code"] = "no-map"  # the code a run records decides over its sentence
+    assert "started cold: the map does not apply (1 of 2)" in markdown(results)
     rows[1]["rp"] = None  # one of two seeds scored: the RP says of how many
     assert "85 (80–90, n=2), 1 failed; RP 90.0 (n=1) |" in markdown(results)
     assert "## The grid at a glance" not in markdown(dict(results, rows=rows[:1]))  # one entry: no summary

@@ -232,7 +232,9 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         costs = world.broadcast(costs)  # rank 0's figures decide
         info.update({f"measured_{k}": v for k, v in (("seconds_per_step", costs.step),
                      ("later_phase_seconds_per_step", costs.later if costs.later_share else None),
-                     ("validation_seconds", costs.validation), ("checkpoint_seconds", costs.checkpoint),
+                     ("validation_seconds", costs.validation),
+                     ("later_phase_validation_seconds", costs.later_validation if costs.later_share else None),
+                     ("checkpoint_seconds", costs.checkpoint),
                      ("feature_seconds_per_row", costs.row), ("extras_seconds_per_row", extras_row)) if v})
         validations = validation_plan(budget, r.validation_share, costs)
         # recovery.keep_best after a warm start: the closed form is scored before the first step
@@ -242,11 +244,11 @@ def fit_budget(method: Method, inputs: MethodInputs, *, cache_mode: str, started
         validations = max(validations, int(guard))
         scored = validations + int(guard)
         # 3% kept for what is not measured; the trainer re-fits once it has timed real steps
-        total = world.broadcast(fit_steps(0.97 * left - scored * costs.validation, costs, 0, r.checkpoint_every))
+        total = world.broadcast(fit_steps(0.97 * left - costs.validations_seconds(scored), costs, 0, r.checkpoint_every))
         floor = r.budget_min_steps or (MIN_WARM_BUDGET_STEPS if warm else MIN_BUDGET_STEPS)
         if total < floor:  # e.g. a 1-minute warm start on a 2-core CPU: measured far worse than no training
             needed = budget - left + (costs.run_seconds(floor, 0, r.checkpoint_every)
-                                      + scored * costs.validation) / 0.97
+                                      + costs.validations_seconds(scored)) / 0.97
             short = f"{total} optimiser step(s) on this machine after its set-up; at least {floor} are needed"
             message = (f"recovery.time_budget {asked} leaves {method.name} {short}{' from a warm start' if warm else ''}"
                        f" (about {needed:.0f} s here; recovery.budget_min_steps sets the floor), "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from ..recovery.methods.closed_form import COLD_STARTS
 from .compare_config import FREE as FREE_BUDGET
 
 
@@ -39,8 +40,11 @@ def started_cold(row: dict) -> bool:
 
 
 def cold_reason(row: dict) -> str:
-    """Why ``auto`` started a :func:`started_cold` cell cold, in a few words (the run's own sentence
-    is its ``metrics.json``'s ``warm_start.why``)."""
+    """Why ``auto`` started a :func:`started_cold` cell cold, in a few words: from the code its
+    run recorded (``metrics.json``'s ``warm_start.cold``; the run's own sentence is ``warm_start.why``)."""
+    if row.get("cold_code") in COLD_STARTS:
+        return COLD_STARTS[row["cold_code"]]
+    # a cell whose run recorded no code (older code): from its sentence
     why = row.get("cold_because") or ""
     if "separate runs" in why:
         return "a mask of several runs"

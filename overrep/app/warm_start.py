@@ -32,12 +32,12 @@ from ..recovery.methods import prepare_closed_form, resolve_warm_start
 from ..recovery.methods.closed_form import AUTO
 
 #: why a resumed run of ``recovery.warm_start: auto`` starts cold (its plan.json is the cold start's)
-RESUMED_COLD = "the run it resumes started cold (its time budget had left the warm start too few steps)"
+RESUMED_COLD = ("resumed", "the run it resumes started cold (its time budget had left the warm start too few steps)")
 
 
-def resolve(p, cold_because: str | None = None) -> None:
+def resolve(p, cold_because: tuple[str, str] | None = None) -> None:
     """Pipeline ``p``'s ``recovery.warm_start`` resolved (``cold_because``: why ``auto`` starts
-    cold whatever the mask), then what follows from it: the recovery plan (the warm start has
+    cold whatever the mask, ``(code, sentence)``), then what follows from it: the recovery plan (the warm start has
     its own layout), the blocks every model shares, the resolved ``recovery`` section, the step
     count and the teacher."""
     r, p.metrics["warm_start"] = resolve_warm_start(
@@ -111,7 +111,7 @@ def fit_budget_warm_or_cold(p, fit: Callable[..., object], started: float, prepa
 def start_cold(p, refused: WarmStartTooShort) -> None:
     """The cold start's plan instead of the warm start's, the model pruned again and, where the
     run scored the unrecovered model, that model scored anew."""
-    resolve(p, cold_because=f"the time budget leaves the warm start {refused.why}")  # (logged)
+    resolve(p, cold_because=("budget", f"the time budget leaves the warm start {refused.why}"))  # (logged)
     if p.world.is_main and p.folder is not None:
         write_json(p.out / "plan.json", p.plan.to_dict(), "the pruning plan")
     p.prune()

@@ -99,6 +99,20 @@ class StepCosts:
     live_share: float = 1.0
     #: ``later`` was timed on the later phase's own steps (else it is the first phase's price)
     later_timed: bool = False
+    #: one validation in the later phase (0: priced as ``validation``). Its loss is that phase's:
+    #: ``ce`` runs the frozen tail and the head, and the last validation of the five-minute
+    #: two-phase cells of one grid (the family 25 EPYC, docs/grid-epyc-f25m17) took 1.1-1.5x the
+    #: probe's price of a first-phase one; unreserved, one cell ended 7 s past its 300.
+    later_validation: float = 0.0
+
+    @property
+    def last_validation(self) -> float:
+        """Seconds of a run's last validation: in its later phase where it has one."""
+        return self.later_validation if self.later_share and self.later_validation else self.validation
+
+    def validations_seconds(self, n: int) -> float:
+        """Seconds of ``n`` validations, the last at the run's end (:attr:`last_validation`)."""
+        return (n - 1) * self.validation + self.last_validation if n > 0 else 0.0
 
     def later_steps(self, total: int) -> int:
         """Steps of a ``total``-step run in the later phase (as ``Layerwise.set_total_steps`` places its switch)."""
@@ -132,7 +146,7 @@ class StepCosts:
         every ``eval_every`` (0: none), the features of its rows included (``row``)."""
         left = steps - done
         validations = math.ceil(left / eval_every) if eval_every else 0
-        return (self.train_seconds(steps, done) + validations * self.validation
+        return (self.train_seconds(steps, done) + self.validations_seconds(validations)
                 + math.ceil(left / checkpoint_every) * self.checkpoint + self.rows(steps) * self.row)
 
 
@@ -175,11 +189,11 @@ def fit_steps(seconds_left: float, costs: StepCosts, eval_every: int, checkpoint
 
 
 def phase_costs(timings: list[tuple[int, float, float]], switch: int | None, later: tuple[float, bool] | None,
-                validation: float, checkpoint: float) -> StepCosts:
+                validation: float, checkpoint: float, later_validation: float = 0.0) -> StepCosts:
     """:class:`StepCosts` from a step's seconds timed in each stretch of a run, ``(step, share,
     seconds)`` in order: those from ``switch`` on (None: none) are the later phase's
     (``later``: :meth:`Objective.later_phase <overrep.recovery.objectives.Objective.later_phase>`;
-    a later phase the measured run did not reach is priced as the first)."""
+    a later phase the measured run did not reach is priced as the first, its validation too)."""
     def mean(rows):
         weight = sum(share for _, share, _ in rows)
         return sum(share * seconds for _, share, seconds in rows) / weight if weight else 0.0
@@ -189,7 +203,8 @@ def phase_costs(timings: list[tuple[int, float, float]], switch: int | None, lat
     step = mean(first) if first else mean(last)
     share, one_pass = later or (0.0, False)
     return StepCosts(step, validation, checkpoint, anneal=timings[0][2], later=mean(last) if last else step,
-                     later_share=share, one_pass=one_pass, later_timed=bool(last))
+                     later_share=share, one_pass=one_pass, later_timed=bool(last),
+                     later_validation=later_validation if last else 0.0)
 
 
 #: real steps a budgeted run takes before it re-fits its step count to the time it observes
@@ -305,7 +320,8 @@ def refit_late_phase(trainer, phase: str, began: tuple[str, int, bool] | None, s
     timed = step_seconds[began[1] + 1:]
     if began[2] and timed and len(timed) % PHASE_REFIT_STEPS == 0 and trainer.step < trainer.total:
         observed = sum(timed[-PHASE_REFIT_STEPS:]) / PHASE_REFIT_STEPS
-        reserve = trainer.deadline.costs.validation if trainer.eval_every else 0.0
+        # the run's end: its last validation (this phase's price) and its last checkpoint
+        reserve = (trainer.deadline.costs.last_validation if trainer.eval_every else 0.0) + trainer.deadline.costs.checkpoint
         left = 0.99 * (trainer.deadline.at - time.perf_counter()) - reserve
         # the phase's steps past its cached rows also compute their rows' features (live)
         cached_left = max(0, trainer.phase_start(trainer.step) + trainer.steps_per_epoch - trainer.step) \

@@ -22,8 +22,8 @@ def measure(trainer, steps: int = 3, within: float | None = None) -> StepCosts:
     of its :meth:`~overrep.recovery.trainer.Trainer.stretches`, priced per phase of the
     objective (:func:`~overrep.recovery.budget.phase_costs`; ``anneal``: the first stretch,
     where a run starts and its re-fits time it), one validation (on
-    :data:`VALIDATION_PROBE_FRACTION` of its rows, scaled up) and one checkpoint. It changes
-    the weights: the caller rebuilds the recovery afterwards.
+    :data:`VALIDATION_PROBE_FRACTION` of its rows, scaled up) in each phase it timed, and one
+    checkpoint. It changes the weights: the caller rebuilds the recovery afterwards.
 
     ``within``: the seconds the timed steps of all stretches together may take (a share of
     a short budget, :data:`~overrep.app.budgeting.PROBE_SHARE`): fewer than ``steps`` a
@@ -61,15 +61,17 @@ def measure(trainer, steps: int = 3, within: float | None = None) -> StepCosts:
 
     timings = [(at, share, timed(at, len(spans) - i)) for i, (at, share) in enumerate(spans)]
     switch = min(trainer.objective.phase_starts(), default=None)
-    trainer.objective.after_optimizer_step(-1)
-    trainer.step = 0
     # a quarter of the rows, scaled up: at a short budget a whole validation, timed only to
     # learn what one costs, was up to a fifth of the budget
     with trainer.objective.validation_sample(VALIDATION_PROBE_FRACTION) as scale:
-        t0 = time.perf_counter()
-        trainer.objective.validation_loss()
-        trainer.objective.validation_ppl()
-        validation = (time.perf_counter() - t0) * scale
+        loss, ppl = _timed_validation(trainer, 0)
+        # a later phase validates its own loss (``ce``: through the frozen tail and the head); the
+        # perplexity part is the same model's in either phase
+        later = switch is not None and any(at >= switch for at, _, _ in timings)
+        later_loss = _timed_validation(trainer, switch, ppl=False)[0] if later else 0.0
+    validation, later_validation = (loss + ppl) * scale, ((later_loss + ppl) * scale if later else 0.0)
+    trainer.objective.after_optimizer_step(-1)
+    trainer.step = 0
     ckpt_dir = trainer.ckpt_dir
     with tempfile.TemporaryDirectory(dir=ckpt_dir.parent if ckpt_dir.parent.exists() else None) as tmp:
         trainer.ckpt_dir = Path(tmp)
@@ -77,5 +79,18 @@ def measure(trainer, steps: int = 3, within: float | None = None) -> StepCosts:
         trainer.save_checkpoint()
         checkpoint = time.perf_counter() - t0
     trainer.ckpt_dir = ckpt_dir
-    return phase_costs(timings, switch, trainer.objective.later_phase(), validation, checkpoint)
+    return phase_costs(timings, switch, trainer.objective.later_phase(), validation, checkpoint, later_validation)
+
+
+def _timed_validation(trainer, at: int, ppl: bool = True) -> tuple[float, float]:
+    """Seconds of the validation loss and (``ppl``) of the perplexity with the objective at
+    step ``at`` (its phase there)."""
+    trainer.step = at
+    trainer.objective.after_optimizer_step(at - 1)
+    t0 = time.perf_counter()
+    trainer.objective.validation_loss()
+    t1 = time.perf_counter()
+    if ppl:
+        trainer.objective.validation_ppl()
+    return t1 - t0, time.perf_counter() - t1
 

@@ -351,9 +351,20 @@ class Trainer:
         t0 = time.perf_counter()
         out = {"val_loss": self.objective.validation_loss(), "val_ppl": self.objective.validation_ppl()}
         out["val_seconds"] = round(time.perf_counter() - t0, 4)
-        if self.deadline is not None:
-            self.deadline.costs = replace(self.deadline.costs, validation=out["val_seconds"])
+        if self.deadline is not None:  # the price of a validation in the phase this one ran in
+            which = "later_validation" if self.in_later_phase(self.step) else "validation"
+            self.deadline.costs = replace(self.deadline.costs, **{which: out["val_seconds"]})
         return out
+
+    def in_later_phase(self, step: int) -> bool:
+        """Whether a validation after ``step`` steps is in the objective's later phase."""
+        return self.deadline is not None and bool(self.deadline.costs.later_share) and any(
+            0 < s <= step for s in self.objective.phase_starts())
+
+    def validation_price(self, step: int) -> float:
+        """Seconds a validation after ``step`` steps is priced at: its phase's (``StepCosts.later_validation``)."""
+        costs = self.deadline.costs
+        return costs.later_validation if self.in_later_phase(step) and costs.later_validation else costs.validation
 
     def room_to_validate(self) -> bool:
         """A budgeted run validates only when the validation ends before its deadline (the
@@ -362,7 +373,7 @@ class Trainer:
         validated one was better."""
         if self.deadline is None:
             return True
-        late = time.perf_counter() + self.deadline.costs.validation > self.deadline.at
+        late = time.perf_counter() + self.validation_price(self.step) > self.deadline.at
         return not (self.world.broadcast(int(late)) if self.sharded else late)  # sharded: every rank validates
 
     def past_deadline(self, step_seconds: list[float]) -> bool:
@@ -373,13 +384,18 @@ class Trainer:
         it would have, so the module still folds exactly. Where validations are planned it stops
         one validation earlier and validates the step it stops at, so that ``recovery.keep_best``
         compares the model it exports (a stop after the re-fits had over-counted steps left the
-        default run's last 93 steps unvalidated on a 2-core AVX2 CPU)."""
+        default run's last 93 steps unvalidated on a 2-core AVX2 CPU). The validation is priced
+        in the phase the next step is in (``ce``'s through the frozen tail), and a checkpoint
+        the next step writes (the last step's, for one) is reserved too: without either, a
+        five-minute cell had ended 7 s past its budget."""
         if self.deadline is None or self.step >= self.total:
             return False
         recent = sorted(step_seconds[-3:])
         next_step = recent[len(recent) // 2] if recent else 0.0
         # where validations are planned, the step it stops at is validated: room for that too
-        reserve = self.deadline.costs.validation if self.eval_every else 0.0
+        reserve = self.validation_price(self.step + 1) if self.eval_every else 0.0
+        if (self.step + 1) % self.cfg.checkpoint_every == 0 or self.step + 1 == self.total:
+            reserve += self.deadline.costs.checkpoint
         late = self.world.broadcast(int(time.perf_counter() + next_step + reserve > self.deadline.at))  # all stop together
         if late:
             self.stopped_at = self.step

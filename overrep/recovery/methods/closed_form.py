@@ -47,6 +47,11 @@ WARM_STARTS = {"none": None, "replaceme": "lstsq", "replaceme-cos": "cosine"}
 #: ``recovery.warm_start: auto``: this closed form where it applies (:func:`resolve_warm_start`), else none
 AUTO = "auto"
 AUTO_WARM_START = "replaceme"
+#: why ``auto`` started a run cold, as ``metrics.json`` records it (``warm_start.cold``) beside
+#: its sentence (``warm_start.why``), each in a few words for a table
+COLD_STARTS = {"budget": "too short for the warm start", "resumed": "too short for the warm start",
+               "method": "not measured to gain from it", "width": "width pruning", "runs": "a mask of several runs",
+               "no-map": "the map does not apply"}
 #: the preset ``auto``'s warm start trains instead of the default ``hybrid``: the annealed activation
 #: loses the closed form's head start (2.5 min: validation 120 linear against 144 annealed,
 #: docs/closed-forms.md)
@@ -117,38 +122,42 @@ def fit_options(r) -> FitOptions:
 
 
 def resolve_warm_start(r, method: Method, model, removed: list[int] | None, probe,
-                       cold_because: str | None = None) -> tuple[object, dict]:
+                       cold_because: tuple[str, str] | None = None) -> tuple[object, dict]:
     """``r`` (the ``recovery`` section) with ``warm_start`` and ``preset`` made concrete before
     the recovery is planned, and its record for ``metrics.json`` (what ``auto`` chose and why).
     ``model``: the dense model; ``removed``: its removed blocks (None: width pruning);
     ``probe``: a training row or two for :func:`~overrep.recovery.closed_form.fold_blocker`;
-    ``cold_because``: why ``auto`` starts cold whatever the mask (a time budget that left the
-    warm start fewer steps than its floor: :func:`~overrep.app.warm_start.start_cold`)."""
+    ``cold_because``: why ``auto`` starts cold whatever the mask, ``(code, sentence)`` (a time
+    budget that left the warm start fewer steps than its floor: :func:`~overrep.app.warm_start.start_cold`);
+    the record names the reason of a cold start by its :data:`COLD_STARTS` code (``cold``)."""
     if r.warm_start != AUTO:
         if r.warm_start != "none" and removed is None:  # (prepare would fold nothing and say it had)
             raise OverRepError(f"recovery.warm_start: {r.warm_start} folds a map over each removed run of blocks; "
                                "width pruning removes none (use recovery.warm_start: none or auto)")
         return r, {"setting": r.warm_start, "used": r.warm_start}
+    cold = None
     if cold_because is not None:
-        used, why = "none", cold_because
+        cold, why = cold_because
     elif not method.auto_warm_start:
-        used, why = "none", (f"{method.name} is not measured to gain from it (recovery.warm_start: replaceme starts "
-                             "it warm)")
+        cold, why = "method", (f"{method.name} is not measured to gain from it (recovery.warm_start: replaceme "
+                               "starts it warm)")
     elif removed is None:
-        used, why = "none", "the closed forms replace removed blocks, not pruned widths"
+        cold, why = "width", "the closed forms replace removed blocks, not pruned widths"
     elif len(runs := contiguous_runs(removed)) > 1:
         # measured: on Block Influence's mask of four runs (one map and one stitched block a run)
         # the warm start was 7-9% worse on validation than the cold one on each of three seeds at
         # 2.5 minutes, and 15% and 9% worse at 5 and 10 minutes (seed 0; docs/closed-forms.md);
         # recovery.warm_start: replaceme still warms it
-        used, why = "none", (f"the mask removes {len(runs)} separate runs, where the warm start measured worse "
+        cold, why = "runs", (f"the mask removes {len(runs)} separate runs, where the warm start measured worse "
                              "(recovery.warm_start: replaceme starts it warm)")
     else:
         blocker = fold_blocker(model, removed, probe)
-        used, why = ("none", f"ReplaceMe's map does not apply: {blocker}") if blocker else (AUTO_WARM_START, None)
+        cold, why = ("no-map", f"ReplaceMe's map does not apply: {blocker}") if blocker else (None, None)
+    used = "none" if cold else AUTO_WARM_START
     if why and method.auto_warm_start:
         log.warning("recovery.warm_start auto: starting cold (%s)", why)
-    record = {"setting": AUTO, "used": used, "preset": method.preset or r.preset, **({"why": why} if why else {})}
+    record = {"setting": AUTO, "used": used, "preset": method.preset or r.preset,
+              **({"why": why, "cold": cold} if cold else {})}
     if used == "none" or method.preset is not None:  # cold, or a method that forces its own preset (Plain's)
         return dataclasses.replace(r, warm_start=used), record
     # the recipe measured for the warm start: its preset and, where the mask leaves it room,
