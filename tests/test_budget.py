@@ -793,7 +793,7 @@ def test_the_probe_prices_a_validation_in_each_phase(tmp_path, monkeypatch):
     """A later phase validates its own loss (``ce`` through the frozen tail and the head): the
     probe times the loss part of a validation in each phase it timed, the perplexity part once,
     and the run's last validation is priced at the later phase's (five-minute two-phase cells
-    had validated at the end in 1.1-1.5x what a first-phase one cost, one 7 s past its budget)."""
+    had mostly validated at the end in 1.1-1.5x what a first-phase one cost, one 7 s past its budget)."""
     import torch
 
     from overrep.recovery.objectives import Layerwise

@@ -100,15 +100,20 @@ class StepCosts:
     #: ``later`` was timed on the later phase's own steps (else it is the first phase's price)
     later_timed: bool = False
     #: one validation in the later phase (0: priced as ``validation``). Its loss is that phase's:
-    #: ``ce`` runs the frozen tail and the head, and the last validation of the five-minute
+    #: ``ce`` runs the frozen tail and the head, and the last validation of most five-minute
     #: two-phase cells of one grid (the family 25 EPYC, docs/grid-epyc-f25m17) took 1.1-1.5x the
-    #: probe's price of a first-phase one; unreserved, one cell ended 7 s past its 300.
+    #: probe's price of a first-phase one (0.7-1.5x over all of them); unreserved, one cell ended
+    #: 7 s past its 300.
     later_validation: float = 0.0
+
+    def validation_in(self, later: bool) -> float:
+        """Seconds of one validation in the later phase (``later``) or the first."""
+        return self.later_validation if later and self.later_share and self.later_validation else self.validation
 
     @property
     def last_validation(self) -> float:
         """Seconds of a run's last validation: in its later phase where it has one."""
-        return self.later_validation if self.later_share and self.later_validation else self.validation
+        return self.validation_in(True)
 
     def validations_seconds(self, n: int) -> float:
         """Seconds of ``n`` validations, the last at the run's end (:attr:`last_validation`)."""

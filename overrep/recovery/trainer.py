@@ -362,9 +362,8 @@ class Trainer:
             0 < s <= step for s in self.objective.phase_starts())
 
     def validation_price(self, step: int) -> float:
-        """Seconds a validation after ``step`` steps is priced at: its phase's (``StepCosts.later_validation``)."""
-        costs = self.deadline.costs
-        return costs.later_validation if self.in_later_phase(step) and costs.later_validation else costs.validation
+        """Seconds a validation after ``step`` steps is priced at: its phase's (``StepCosts.validation_in``)."""
+        return self.deadline.costs.validation_in(self.in_later_phase(step))
 
     def room_to_validate(self) -> bool:
         """A budgeted run validates only when the validation ends before its deadline (the
