@@ -384,6 +384,9 @@ def test_a_budgeted_run_refits_its_steps_once_it_has_timed_them(assets, tmp_path
     first, second = refit["at"][:2]  # after the first steps, and as many again timed on the steps in between
     assert second["step"] == 2 * first["step"] and refit["at"][-1]["steps"] == refit["steps_after"]
     assert first["seconds_per_step"] < refit["probe_seconds_per_step"] == 0.5
+    # each re-fit records the seconds it had and those it planned: the slack it left itself
+    assert all(0 < a["seconds_planned"] <= 0.99 * a["seconds_left"] + 0.01 for a in refit["at"])
+    assert all(b["seconds_left"] < a["seconds_left"] for a, b in zip(refit["at"], refit["at"][1:]))
     manifest = json.loads((tmp_path / m["cache"]["path"] / "manifest.json").read_text())
     assert manifest["layout"]["num_samples"] == tb["rows"]  # the cache was built before the re-fit
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
@@ -706,6 +709,7 @@ def test_a_costlier_later_phase_shortens_the_run_to_its_deadline(assets, tmp_pat
     assert late and {a["phase"] for a in late} == {"ce"} and min(a["seconds_per_step"] for a in late) >= 0.3
     assert late[0]["steps"] < at[at.index(late[0]) - 1]["steps"] and m["train_steps"] == refit["steps_after"]
     assert [a["step"] for a in late] == list(range(late[0]["step"], late[-1]["step"] + 1, 3))  # every 3 steps
+    assert all(0 < a["seconds_planned"] <= 0.99 * a["seconds_left"] + 0.01 for a in late)  # the phase's own slack
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     phases = [r["phase"] for r in log]
     first_ce = phases.index("ce")

@@ -258,14 +258,18 @@ class Deadline:
         price and the ``ce`` steps at 0.87-1.04x theirs: scaled by the layer-wise factor, the
         ``ce`` price was up to 29% off (12% on average), unscaled up to 13% (6%), closer on 9 of
         the 12. The phase re-times itself once it begins (:func:`refit_late_phase`)."""
+        costs = self.refit_costs(seconds_per_step, rows, cached)
+        return fit_steps(0.99 * (self.at - now), costs, self.eval_every, self.checkpoint_every, done) - done
+
+    def refit_costs(self, seconds_per_step: float, rows: int | None = None, cached: int | None = None) -> StepCosts:
+        """The costs a re-fit prices the rest of the run at (:meth:`steps_left`)."""
         scale = seconds_per_step / (self.costs.anneal or self.costs.step)
         live = cached is not None and rows is not None and rows > cached
         later = self.costs.later if self.costs.later_timed else self.costs.later * scale
-        costs = replace(self.costs, step=self.costs.step * scale, anneal=seconds_per_step, row=0.0,
-                        later=later, max_rows=self.costs.max_rows if rows is None else rows,
-                        live_row=self.costs.row * self.costs.live_share * scale if live else 0.0,
-                        cached=cached or 0)
-        return fit_steps(0.99 * (self.at - now), costs, self.eval_every, self.checkpoint_every, done) - done
+        return replace(self.costs, step=self.costs.step * scale, anneal=seconds_per_step, row=0.0,
+                       later=later, max_rows=self.costs.max_rows if rows is None else rows,
+                       live_row=self.costs.row * self.costs.live_share * scale if live else 0.0,
+                       cached=cached or 0)
 
 
 # ---- re-fits during training (called by the trainer) -------------------------------------------
@@ -273,17 +277,22 @@ class Deadline:
 PHASE_REFIT_STEPS = 3
 
 
-def _apply_refit(trainer, total: int, observed: float, phase: str | None = None) -> None:
+def _apply_refit(trainer, total: int, observed: float, phase: str | None = None,
+                 seconds: tuple[float, float] | None = None) -> None:
     """Record a re-fit in ``trainer.refit`` and, where it changes the step count, apply it:
     as many validations as planned, spread over the new count, the last at the end (a count
-    the objective allows, :meth:`Trainer.capped`)."""
+    the objective allows, :meth:`Trainer.capped`). ``seconds``: ``(left, planned)``, the seconds
+    to the deadline and those the re-fitted rest of the run was priced at: their difference is
+    the slack the re-fit leaves, and against the run's ``used_seconds`` it says whether time a
+    run left unused was left by a re-fit or appeared after it (a price too high)."""
     total = trainer.capped(total)
     if trainer.refit is None:
         costs = trainer.deadline.costs
         trainer.refit = {"probe_seconds_per_step": costs.anneal or costs.step, "steps_before": trainer.total, "at": []}
     at = trainer.refit["at"]
     before = at[-1]["seconds_per_step"] if at else trainer.refit["probe_seconds_per_step"]
-    at.append({"step": trainer.step, "seconds_per_step": observed, "steps": total, **({"phase": phase} if phase else {})})
+    at.append({"step": trainer.step, "seconds_per_step": observed, "steps": total, **({"phase": phase} if phase else {}),
+               **({"seconds_left": round(seconds[0], 2), "seconds_planned": round(seconds[1], 2)} if seconds else {})})
     trainer.refit["steps_after"] = total
     if total == trainer.total:
         return
@@ -301,11 +310,13 @@ def refit_to_deadline(trainer, timed: list[float]) -> None:
     the last re-fit (the run's first step, which pays one-off costs, left out); the first
     phase's stretches not yet reached are scaled by the same factor against the probe, a later
     loss phase the probe timed keeps its price (:meth:`Deadline.steps_left`)."""
-    observed = sum(timed) / len(timed)
-    left = trainer.deadline.steps_left(observed, time.perf_counter(), done=trainer.step,
-                                       rows=trainer.num_samples + trainer.live_rows, cached=trainer.num_samples)
+    observed, now, deadline = sum(timed) / len(timed), time.perf_counter(), trainer.deadline
+    rows, cached = trainer.num_samples + trainer.live_rows, trainer.num_samples
+    left = deadline.steps_left(observed, now, done=trainer.step, rows=rows, cached=cached)
     total = trainer.world.broadcast(trainer.step + left)
-    _apply_refit(trainer, total, observed)
+    planned = deadline.refit_costs(observed, rows, cached).run_seconds(
+        trainer.capped(total), deadline.eval_every, deadline.checkpoint_every, trainer.step)
+    _apply_refit(trainer, total, observed, seconds=(deadline.at - now, planned))
 
 
 def refit_late_phase(trainer, phase: str, began: tuple[str, int, bool] | None, step_seconds: list[float]):
@@ -327,7 +338,8 @@ def refit_late_phase(trainer, phase: str, began: tuple[str, int, bool] | None, s
         observed = sum(timed[-PHASE_REFIT_STEPS:]) / PHASE_REFIT_STEPS
         # the run's end: its last validation (this phase's price) and its last checkpoint
         reserve = (trainer.deadline.costs.last_validation if trainer.eval_every else 0.0) + trainer.deadline.costs.checkpoint
-        left = 0.99 * (trainer.deadline.at - time.perf_counter()) - reserve
+        remaining = trainer.deadline.at - time.perf_counter()
+        left = 0.99 * remaining - reserve
         # the phase's steps past its cached rows also compute their rows' features (live)
         cached_left = max(0, trainer.phase_start(trainer.step) + trainer.steps_per_epoch - trainer.step) \
             if trainer.live_rows else 0
@@ -336,5 +348,6 @@ def refit_late_phase(trainer, phase: str, began: tuple[str, int, bool] | None, s
         fits = left // observed if left <= cached_left * observed else \
             cached_left + (left - cached_left * observed) // (observed + more)
         fits = max(1, int(fits))
-        _apply_refit(trainer, trainer.world.broadcast(trainer.step + fits), observed, phase)
+        planned = reserve + fits * observed + max(0, fits - cached_left) * more
+        _apply_refit(trainer, trainer.world.broadcast(trainer.step + fits), observed, phase, seconds=(remaining, planned))
     return began
