@@ -660,6 +660,35 @@ def test_the_probe_times_each_phase_of_a_two_loss_objective(tmp_path, monkeypatc
     assert t.measure(within=12.0).later == 4.0 and len(seen) == (1 + 3) + (1 + 2)
 
 
+def test_the_probe_prices_a_stretch_at_its_fastest_timed_step(tmp_path, monkeypatch):
+    """What disturbs a timed step only slows it: a stretch whose timed steps are still warming
+    up (3, 2, then 1.5 s) or hit by a spike (1, 4, 1 s) is priced at its fastest, the price the
+    run's own steps then pay (scripts/probe_accuracy.py)."""
+    import torch
+
+    from overrep.recovery import trainer as trainer_mod
+    from overrep.recovery.objectives import Layerwise
+    from overrep.recovery.options import TrainingOptions
+    from tiny import LinearModule
+
+    clock, durations = [0.0], []
+    objective = Layerwise([LinearModule()], [[]], None, total_steps=100)
+    objective.activations = []
+
+    def step(self):
+        clock[0] += durations.pop(0)
+        return 0.0, torch.tensor(0.0)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "_step", step)
+    monkeypatch.setattr(trainer_mod.time, "perf_counter", lambda: clock[0])
+    t = trainer_mod.Trainer(objective, 64, TrainingOptions(batch_size=8, lr=1e-3), 100, tmp_path / "ckpt", progress=False)
+    assert len(t.stretches()) == 1
+    durations[:] = [9.0, 3.0, 2.0, 1.5]  # the untimed first step, then three timed ones
+    assert t.measure().step == 1.5 and durations == []
+    durations[:] = [9.0, 1.0, 4.0, 1.0]
+    assert t.measure().step == 1.0 and durations == []
+
+
 def test_a_next_token_phase_gets_rows_of_its_own():
     """The ``ce`` phase of ``normed>ce`` memorises rows it sees twice (docs/losses.md): a budget
     caches enough rows for its steps to see each once, and the phase starts a fresh pass."""

@@ -19,8 +19,8 @@ VALIDATION_PROBE_FRACTION = 0.25
 
 def measure(trainer, steps: int = 3, within: float | None = None) -> StepCosts:
     """Time ``steps`` real steps of ``trainer`` (a :class:`~overrep.recovery.trainer.Trainer`) in each
-    of its :meth:`~overrep.recovery.trainer.Trainer.stretches`, priced per phase of the
-    objective (:func:`~overrep.recovery.budget.phase_costs`; ``anneal``: the first stretch,
+    of its :meth:`~overrep.recovery.trainer.Trainer.stretches`, each priced at its fastest timed
+    step, per phase of the objective (:func:`~overrep.recovery.budget.phase_costs`; ``anneal``: the first stretch,
     where a run starts and its re-fits time it), one validation (on
     :data:`VALIDATION_PROBE_FRACTION` of its rows, scaled up) in each phase it timed, and one
     checkpoint. It changes the weights: the caller rebuilds the recovery afterwards.
@@ -57,7 +57,14 @@ def measure(trainer, steps: int = 3, within: float | None = None) -> StepCosts:
             left[0] -= sum(times)
         logger.info("budget probe: step %d: %.2f s untimed, then %s s", at, first,
                     ", ".join(f"{t:.2f}" for t in times))
-        return sorted(times)[len(times) // 2]  # the median: of two, the slower had put a ce step at 3.6 s for 2.1
+        # the fastest: what disturbs a timed step (another process, a buffer's first use, the
+        # steps after a stretch's first still warming up) only slows it. Against the median of
+        # the run's own first 20 steps, over the kept grid's cells (scripts/probe_accuracy.py
+        # docs/grid-epyc-f25m17/cells): the fastest of the timed steps 1.01x (0.91-1.16x, worst
+        # 1.36x) in 124 first stretches, the median of them 1.03x (0.92-1.17x, worst 2.64x); in
+        # 188 later-phase stretches 1.03x (0.94-1.14x) against 1.04x (0.96-1.18x). Of two, the
+        # slower had put a ``ce`` step at 3.6 s for 2.1.
+        return min(times)
 
     timings = [(at, share, timed(at, len(spans) - i)) for i, (at, share) in enumerate(spans)]
     switch = min(trainer.objective.phase_starts(), default=None)
