@@ -6,6 +6,7 @@ import json
 import re
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -660,10 +661,13 @@ def test_the_probe_times_each_phase_of_a_two_loss_objective(tmp_path, monkeypatc
     assert t.measure(within=12.0).later == 4.0 and len(seen) == (1 + 3) + (1 + 2)
 
 
-def test_the_probe_prices_a_stretch_at_its_fastest_timed_step(tmp_path, monkeypatch):
+def test_the_probe_prices_a_stretch_at_its_fastest_timed_step(tmp_path, monkeypatch, caplog):
     """What disturbs a timed step only slows it: a stretch whose timed steps are still warming
     up (3, 2, then 1.5 s) or hit by a spike (1, 4, 1 s) is priced at its fastest, the price the
-    run's own steps then pay (scripts/probe_accuracy.py)."""
+    run's own steps then pay; the line it logs is the one scripts/probe_accuracy.py reads."""
+    import importlib.util
+    import logging
+
     import torch
 
     from overrep.recovery import trainer as trainer_mod
@@ -686,7 +690,15 @@ def test_the_probe_prices_a_stretch_at_its_fastest_timed_step(tmp_path, monkeypa
     durations[:] = [9.0, 3.0, 2.0, 1.5]  # the untimed first step, then three timed ones
     assert t.measure().step == 1.5 and durations == []
     durations[:] = [9.0, 1.0, 4.0, 1.0]
-    assert t.measure().step == 1.0 and durations == []
+    with caplog.at_level(logging.INFO, logger="overrep.recovery.probe"):
+        assert t.measure().step == 1.0 and durations == []
+    script = Path(__file__).resolve().parents[1] / "scripts" / "probe_accuracy.py"
+    spec = importlib.util.spec_from_file_location("probe_accuracy", script)
+    accuracy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(accuracy)
+    log = tmp_path / "run.log"
+    log.write_text(caplog.text)
+    assert accuracy.probe_stretches(log) == [(9.0, [1.0, 4.0, 1.0])]
 
 
 def test_a_next_token_phase_gets_rows_of_its_own():
