@@ -349,3 +349,67 @@ def test_get_reads_only_requested_rows(tmp_path, monkeypatch):
     out = fc.get([9, 3, 4, 5, 9])  # runs [3, 6) and [9, 10); the duplicate 9 is not re-read
     assert sorted(requested) == [row_bytes, row_bytes, 3 * row_bytes, 3 * row_bytes]  # per tensor
     assert torch.equal(out["targets"], data["targets"][[9, 3, 4, 5, 9]])
+
+
+# --------------------------------------------------------------------------- a cache of the same rows
+
+
+def build_rows(path, data, n, *, fingerprint=FP, rebuild="auto"):
+    """A cache of the first ``n`` rows of ``data`` whose fingerprint counts them (Teacher.use_rows)."""
+    producer = Producer(data)
+    fp = {**fingerprint, "rows": n} if n < len(data["inputs"]) else fingerprint
+    fc = build_or_open(path, fingerprint=fp, num_samples=n, seq_len=T, hidden_size=H, dtype=torch.float32, produce=producer,
+                       shard_size=4, rebuild=rebuild, progress=False, prefix_key="rows")
+    return fc, producer
+
+
+def test_a_cache_of_more_of_the_same_rows_serves_the_first_of_them(tmp_path):
+    data = make_data()
+    whole, _ = build_rows(tmp_path / "whole", data, N)
+    fc, producer = build_rows(tmp_path / "part", data, 6)
+    assert producer.calls == [] and len(fc) == 6 and fc.path == tmp_path / "whole"
+    assert not (tmp_path / "part").exists()
+    assert torch.equal(fc.get([5, 0])["targets"], data["targets"][[5, 0]])
+    with pytest.raises(IndexError):
+        fc.get([6])
+    # what those rows cost to build: the shards' recorded seconds, a shard read in part in proportion
+    shards = whole.manifest["shards"]
+    assert fc.build_seconds == pytest.approx(shards[0]["seconds"] + shards[1]["seconds"] / 2)
+
+
+def test_a_cache_of_fewer_of_the_same_rows_feeds_the_leading_rows_of_a_bigger_one(tmp_path, caplog):
+    data = make_data()
+    small, _ = build_rows(tmp_path / "small", data, 6)
+    with caplog.at_level(logging.INFO, logger="overrep.data.cache"):
+        fc, producer = build_rows(tmp_path / "big", data, N)
+    assert producer.calls == [range(6, 8), range(8, 10)]  # shards [4, 8) in part, [8, 10) whole
+    assert fc.path == tmp_path / "big" and len(fc) == N
+    for k in ("inputs", "targets"):
+        assert torch.equal(fc.get(list(range(N)))[k], data[k])
+    assert "6 of its 10 rows read from the cache" in caplog.text
+    # the rows read count at what the smaller cache recorded for them
+    assert fc.build_seconds >= small.build_seconds
+    assert FeatureCache.open(tmp_path / "big", fingerprint=FP, verify=True).get([7])["inputs"].equal(data["inputs"][7:8])
+
+
+def test_no_rows_are_read_from_a_cache_of_other_data_or_under_rebuild_always(tmp_path):
+    data = make_data()
+    build_rows(tmp_path / "other", make_data(seed=1), N, fingerprint={**FP, "data": "zzz"})
+    fc, producer = build_rows(tmp_path / "mine", data, 6)
+    assert len(producer.calls) == 2 and fc.path == tmp_path / "mine"
+    assert torch.equal(fc.get([1])["inputs"], data["inputs"][1:2])
+    _, producer = build_rows(tmp_path / "again", data, 4, rebuild="always")
+    assert producer.calls == [range(0, 4)]
+
+
+def test_a_corrupt_cache_of_the_same_rows_is_passed_over(tmp_path, caplog):
+    data = make_data()
+    build_rows(tmp_path / "whole", data, N)
+    shard = tmp_path / "whole" / "shard-00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        fc, producer = build_rows(tmp_path / "part", data, 6)
+    assert "sha256" in caplog.text and len(producer.calls) == 2 and fc.path == tmp_path / "part"
+    assert torch.equal(fc.get([0])["inputs"], data["inputs"][0:1])

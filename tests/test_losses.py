@@ -331,6 +331,40 @@ def test_rows_past_the_cache_are_read_with_the_features_a_cache_would_hold(tmp_p
     assert part.live_share == max(1, max(i for i, _ in blocks)) / (max(t for _, t in blocks) + 1) < 1
 
 
+def test_a_budget_that_caches_fewer_of_the_same_rows_reads_them_from_the_cache_on_disk(tmp_path, monkeypatch):
+    """Two runs of one plan whose probes timed a step differently cache 8 and 12 of the same
+    rows: the second reads the first's cache instead of running the dense model again, and the
+    other way round only the rows the smaller cache lacks are computed."""
+    from overrep.model.surgery import plan_pruning
+    from overrep.recovery import teacher as teacher_mod
+    from tiny import tiny_ids, tiny_model
+
+    dense = tiny_model("llama").eval()
+    plan = plan_pruning(6, [3, 4])
+    ids = tiny_ids(batch=12, seq=16)
+    forwards = []
+    real = teacher_mod.teacher_features
+    monkeypatch.setattr(teacher_mod, "teacher_features", lambda m, x, *a: forwards.append(x.shape[0]) or real(m, x, *a))
+
+    def teacher(root, rows):
+        t = teacher_mod.Teacher(dense, plan, ids, root, {"t": "same"}, progress=False)
+        t.use_rows(rows)
+        return t, t.features()
+
+    whole, want = teacher(tmp_path / "a", 12)
+    assert sum(forwards) == 12
+    part, got = teacher(tmp_path / "a", 8)
+    assert sum(forwards) == 12 and part.cache.path == whole.cache_path and len(part.cache) == 8
+    for a, b in zip(want([7, 0]), got([7, 0])):
+        assert all(torch.equal(a[k], b[k]) for k in ("inputs", "targets"))
+    small, _ = teacher(tmp_path / "b", 8)
+    forwards.clear()
+    bigger, got = teacher(tmp_path / "b", 12)
+    assert sum(forwards) == 4 and bigger.cache.path == bigger.cache_path != small.cache_path
+    for a, b in zip(want([11, 2]), got([11, 2])):
+        assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-5) for k in ("inputs", "targets"))
+
+
 def test_a_next_token_phase_reads_the_cached_rows_then_the_rows_past_them(tmp_path):
     """With rows past the cache (``Objective.live_rows``), the ``ce`` phase's one pass is the
     cached rows in a fresh order, then the others, each once: the switch moves only where

@@ -313,7 +313,7 @@ class Pipeline:
         if self.teacher.seconds:
             self.timings["cache"] = self.teacher.seconds  # a budgeted run's rebuild adds its reopen
         if self.teacher.cache is not None:
-            self.metrics["cache"] = {"path": str(self.teacher.cache_path), "bytes": self.teacher.cache.nbytes,
+            self.metrics["cache"] = {"path": str(self.teacher.cache.path), "bytes": self.teacher.cache.nbytes,
                                      "build_seconds": self.teacher.cache.build_seconds}
 
     # ---- stage 4: training ---------------------------------------------------------

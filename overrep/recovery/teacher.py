@@ -75,7 +75,11 @@ class Teacher:
 
     def use_rows(self, n: int) -> None:
         """Cache the first ``n`` rows only (a time budget that needs no more); they get a
-        cache of their own. The rest stay readable past the cache (:meth:`features`)."""
+        cache of their own. The rest stay readable past the cache (:meth:`features`).
+        A cache of more of the same rows serves them, one of fewer its rows
+        (:mod:`overrep.data.cache.prefix`): two runs whose probes timed a step a little
+        differently cache different counts of the same rows.
+        """
         if n < self.train_ids.shape[0]:
             self.train_ids = self.train_ids[:n]
             self.fingerprint = {**self.fingerprint, "rows": n}
@@ -146,7 +150,8 @@ class Teacher:
         self.cache = build_or_open(self.cache_path, fingerprint=self.fingerprint, num_samples=self.train_ids.shape[0],
                                    seq_len=self.train_ids.shape[1], hidden_size=self.dense.config.hidden_size,
                                    dtype=FEATURE_DTYPES[self.dtype], produce=produce, tensors=names,
-                                   rebuild=self.rebuild, progress=self.progress, world=self.world)
+                                   rebuild=self.rebuild, progress=self.progress, world=self.world,
+                                   prefix_key="rows")  # (use_rows: the first rows of the same data)
         self.seconds += time.perf_counter() - t0
         self.kept.clear()  # (the probe's features of the training rows are in the cache now)
 

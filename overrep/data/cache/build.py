@@ -15,6 +15,7 @@ from ...distributed import SINGLE, World
 from ...errors import OverRepError
 from .format import (FINGERPRINT, MANIFEST, FeatureCacheCorrupt, FeatureCacheMismatch, _clear_cache_files,
                      _dtype_name, _mismatch_reason, _read_json, _record)
+from .prefix import PrefixFeed, find_sibling
 from .reader import FeatureCache
 from .writer import FeatureCacheWriter
 
@@ -35,6 +36,7 @@ def build_or_open(
     rebuild: str = "auto",
     progress: bool = True,
     world: World = SINGLE,
+    prefix_key: str | None = None,
 ) -> FeatureCache:
     """Open the cache at ``path`` if it matches ``fingerprint``, else (re)build it.
 
@@ -50,6 +52,12 @@ def build_or_open(
 
     ``world``: several ranks (:mod:`overrep.distributed`) build one cache together, each
     its share of the shards; all of them return the same complete cache.
+
+    ``prefix_key``: the fingerprint field that counts the samples, where the caller vouches
+    that caches differing only there (and in their sample count) begin with the same samples:
+    with no cache at ``path``, a complete sibling folder of the same samples serves its first
+    ``num_samples`` (one that holds them all) or the leading rows of the build
+    (:mod:`~overrep.data.cache.prefix`); not under ``rebuild="always"``, nor across ranks.
 
     ``produce(sample_range)`` returns ``{name: [len(sample_range), seq_len, hidden_size]}``
     for the samples of one shard (any dtype/device; cast to ``dtype`` on CPU).
@@ -67,6 +75,15 @@ def build_or_open(
     cache = _settle(path, expected, rebuild)
     if cache is not None:
         return cache
+    sibling = find_sibling(path, expected, prefix_key) if prefix_key and rebuild != "always" else None
+    if sibling is not None and len(sibling) >= num_samples:
+        logger.info("feature cache: the first %d rows of the cache of %d at %s (the same rows)", num_samples,
+                    len(sibling), sibling.path)
+        return sibling.first(num_samples)
+    if sibling is not None:
+        logger.info("feature cache: %d of its %d rows read from the cache at %s (the same rows)", len(sibling),
+                    num_samples, sibling.path)
+        produce = PrefixFeed(sibling, produce)
     writer = FeatureCacheWriter(path, **args)
     _produce(writer, writer.missing_shards(), produce, progress)
     return writer.finalize()
@@ -101,7 +118,10 @@ def _produce(writer: FeatureCacheWriter, shards: list[int], produce, progress: b
             rows = writer.shard_range(shard)
             t0 = time.perf_counter()
             tensors = produce(rows)
-            writer.write_shard(shard, seconds=time.perf_counter() - t0, **tensors)
+            seconds = time.perf_counter() - t0
+            if isinstance(produce, PrefixFeed):  # rows read from a sibling count at what building them cost
+                seconds = produce.seconds
+            writer.write_shard(shard, seconds=seconds, **tensors)
             bar.update(len(rows))
 
 

@@ -135,10 +135,33 @@ class FeatureCache:
         self.dtype: torch.dtype = _DTYPE_BY_NAME[layout["dtype"]]
         self.tensor_names: tuple[str, ...] = tuple(layout["tensors"])
         self.nbytes: int = sum(entry["size"] for entry in manifest["shards"])
-        #: seconds the teacher spent producing the shards (summed over the ranks that wrote them;
-        #: 0 for a cache written before shards recorded it)
-        self.build_seconds: float = float(sum(entry.get("seconds", 0.0) for entry in manifest["shards"]))
         self._files: OrderedDict[int, _ShardFile] = OrderedDict()
+
+    @property
+    def build_seconds(self) -> float:
+        """Seconds the teacher spent producing the samples read here (summed over the ranks
+        that wrote them; 0 for a cache written before shards recorded it)."""
+        return self.seconds_for(range(self._num_samples))
+
+    def seconds_for(self, rows: range) -> float:
+        """What producing ``rows`` cost, from the shards' recorded seconds (a shard read in
+        part counts in proportion)."""
+        total = 0.0
+        for entry in self.manifest["shards"]:
+            start, count = entry.get("start", entry["shard"] * self._shard_size), entry["count"]
+            overlap = min(rows.stop, start + count) - max(rows.start, start)
+            if overlap > 0 and count:
+                total += float(entry.get("seconds", 0.0)) * overlap / count
+        return total
+
+    def first(self, n: int) -> FeatureCache:
+        """A reader of the first ``n`` samples alone (:mod:`~overrep.data.cache.prefix`: a
+        smaller plan of the same rows); its own open files."""
+        if not 0 < n <= self._num_samples:
+            raise IndexError(f"cannot read the first {n} samples of a cache of {self._num_samples}")
+        view = FeatureCache(self.path, self.manifest)
+        view._num_samples = n
+        return view
 
     @classmethod
     def open(
