@@ -140,3 +140,24 @@ def test_next_token_loss_bench_times_both_ways_and_they_agree(tmp_path):
         assert case["plain_over_fused"] > 0
         assert case["relative_difference"]["loss"] < 1e-5 and case["relative_difference"]["gradient"] < 1e-4
     assert out["cases"]["whole_model"]["fused_used"] and out["cases"]["lora"]["fused_used"]
+
+
+def test_the_probe_bench_times_the_probe_and_the_run_in_one_process(assets, tmp_path):
+    """benchmarks/bench_probe.py: the probe's steps (as many as asked), the run's own first-phase
+    steps, a second probe and the two trainers interleaved, each against the run's median."""
+    sets = [f"model.source={assets / 'tiny-llama'}", "prune.remove=3-4", f"data.source={assets / 'corpus.jsonl'}",
+            "data.seq_len=32", "data.train_sequences=24", "data.heldout_sequences=4", "data.validation_sequences=4",
+            f"cache.dir={tmp_path / 'cache'}", "recovery.time_budget=30s", "recovery.batch_size=4",
+            "recovery.warm_start=none"]
+    out = tmp_path / "probe.json"
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_probe.py"), "--probe-steps", "3", "--run-steps",
+                           "8", "--interleave", "3", "--json-out", str(out), *(a for s in sets for a in ("--set", s))],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert json.loads(out.read_text()) == got and got["cpu"]
+    assert 3 <= len(got["run_steps"]) <= 8 and got["run_median_2_21"] > 0
+    for name in ("probe", "probe_again"):
+        assert len(got[name]["timed"]) == 3 and got[name]["fastest_x_run"] > 0, name
+    side = got["interleaved"]
+    assert len(side["probe"]) == len(side["run"]) == 3 and side["probe_median_x_run_median"] > 0
