@@ -413,3 +413,12 @@ def test_a_corrupt_cache_of_the_same_rows_is_passed_over(tmp_path, caplog):
         fc, producer = build_rows(tmp_path / "part", data, 6)
     assert "sha256" in caplog.text and len(producer.calls) == 2 and fc.path == tmp_path / "part"
     assert torch.equal(fc.get([0])["inputs"], data["inputs"][0:1])
+    # the next that holds the rows serves them: a corrupt cache of 8 passed over for one of 10
+    build_rows(tmp_path / "whole", data, N, rebuild="always")
+    build_rows(tmp_path / "eight", data, 8, rebuild="always")  # (built, not served by the one of 10)
+    shard = tmp_path / "eight" / "shard-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    fc, producer = build_rows(tmp_path / "seven", data, 7)
+    assert producer.calls == [] and fc.path == tmp_path / "whole" and len(fc) == 7

@@ -38,7 +38,7 @@ def find_sibling(path: Path, expected: dict, key: str) -> FeatureCache | None:
     """The complete cache beside ``path`` whose samples begin with the ``expected`` record's
     (same fingerprint but for ``key``, same layout but for the sample count): the smallest
     that holds all of them, else the largest; opened with its shards' sha256 checked. One that
-    fails its checks is passed over with a warning (it stays where it is)."""
+    fails its checks is passed over with a warning (it stays where it is) for the next."""
     want, n = _without(expected, key), expected["layout"]["num_samples"]
     found = []
     for folder in sorted(p for p in path.parent.iterdir() if p.is_dir() and p != path) if path.parent.is_dir() else []:
@@ -51,8 +51,8 @@ def find_sibling(path: Path, expected: dict, key: str) -> FeatureCache | None:
         stored = {k: manifest.get(k) for k in ("format", "version", "fingerprint", "layout")}
         if _without(stored, key) == want:
             found.append((manifest["layout"].get("num_samples", 0), folder))
-    holding = sorted(f for f in found if f[0] >= n)
-    for _, folder in holding[:1] + sorted((f for f in found if f[0] < n), reverse=True):
+    # those that hold all the rows, the smallest first, then the others, the largest first
+    for _, folder in sorted(f for f in found if f[0] >= n) + sorted((f for f in found if f[0] < n), reverse=True):
         try:
             return FeatureCache.open(folder, verify=True)
         except (FeatureCacheCorrupt, FeatureCacheMismatch) as exc:
