@@ -36,20 +36,39 @@ import tempfile
 import time
 from pathlib import Path
 
-LINE = re.compile(r"budget probe: step (\d+): ([\d.]+) s untimed, then ([\d., ]+) s")
+class ProbeSteps:
+    """Every step a probe takes, timed here to the microsecond (its log line keeps two decimals):
+    :meth:`measure` replaces ``Trainer.measure`` with a probe of ``steps`` timed steps a stretch,
+    no share limit, whose ``_step`` calls it records as ``(step index, seconds)``."""
 
+    def __init__(self, measure, steps: int):
+        self.real, self.steps_per_stretch = measure, steps
+        self.calls: list[tuple[int, float]] = []
 
-class ProbeLines(logging.Handler):
-    """The probe's log lines, as (step, untimed seconds, timed seconds)."""
+    def measure(self, trainer):
+        step = trainer._step
 
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.stretches: list[tuple[int, float, list[float]]] = []
+        def timed():
+            t0 = time.perf_counter()
+            out = step()
+            self.calls.append((trainer.step, time.perf_counter() - t0))
+            return out
+        trainer._step = timed
+        try:
+            return self.real(trainer, self.steps_per_stretch, None)
+        finally:
+            del trainer._step
 
-    def emit(self, record):
-        m = LINE.search(record.getMessage())
-        if m:
-            self.stretches.append((int(m.group(1)), float(m.group(2)), [float(x) for x in m.group(3).split(",")]))
+    def first_stretch(self) -> tuple[int, float, list[float]] | None:
+        """(step index, the untimed step's seconds, the timed ones') of the first stretch since
+        :meth:`clear`: one untimed step, then ``steps`` timed ones (``within=None``)."""
+        if len(self.calls) < 1 + self.steps_per_stretch:
+            return None
+        head = self.calls[:1 + self.steps_per_stretch]
+        return head[0][0], round(head[0][1], 4), [round(t, 4) for _, t in head[1:]]
+
+    def clear(self):
+        self.calls.clear()
 
 
 def cpu_name() -> str:
@@ -118,10 +137,8 @@ def main(argv=None) -> int:
     from overrep.recovery import trainer as trainer_mod
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    lines = ProbeLines()
-    logging.getLogger("overrep.recovery.probe").addHandler(lines)
-    measure = trainer_mod.Trainer.measure
-    trainer_mod.Trainer.measure = lambda self, steps=3, within=None: measure(self, args.probe_steps, None)
+    probes = ProbeSteps(trainer_mod.Trainer.measure, args.probe_steps)
+    trainer_mod.Trainer.measure = lambda self, steps=3, within=None: probes.measure(self)
 
     with tempfile.TemporaryDirectory() as out:
         cfg = RunConfig.load(None, [*args.set, f"output={out}/run"])
@@ -133,7 +150,7 @@ def main(argv=None) -> int:
         clean = copy.deepcopy(p.pruned)  # the second probe's model: pruned, no method on it yet
         p.build_recovery()  # the probe, the budget, the feature cache, the method (Pipeline.prepare)
         prepared = time.perf_counter() - t0
-        first = list(lines.stretches)
+        first = probes.first_stretch()
         steps = min(args.run_steps, p.total_steps)
         trainer = p.make_trainer()
         trainer.set_total(steps)
@@ -141,19 +158,19 @@ def main(argv=None) -> int:
         timed = [h for h in history if "seconds" in h]
         # the first phase's steps alone (set_total moves a later phase's switch into the cut run)
         run = [h["seconds"] for h in timed if h.get("phase") == timed[0].get("phase")]
-        lines.stretches.clear()
+        probes.clear()
         inputs = dataclasses.replace(p.method_inputs(), pruned=clean)
         budgeting.probe_costs(p.method, inputs, {}, lambda objective: p.make_trainer(objective, False),
                               p.method.needs_features and cfg.cache.mode == "disk", 0.0)
-        again = list(lines.stretches)
+        again = probes.first_stretch()
         side = interleaved(p, clean, trainer, args.interleave) if args.interleave else None
 
     truth = statistics.median(run[1:21])
 
-    def summary(stretches):
-        if not stretches:
+    def summary(stretch):
+        if stretch is None:
             return None
-        step, untimed, timed = stretches[0]
+        step, untimed, timed = stretch
         return {"step": step, "untimed": untimed, "timed": timed, "fastest_x_run": round(min(timed) / truth, 3),
                 "first_three_fastest_x_run": round(min(timed[:3]) / truth, 3),
                 "last_half_median_x_run": round(statistics.median(timed[len(timed) // 2:]) / truth, 3)}
