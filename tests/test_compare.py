@@ -313,6 +313,27 @@ def test_criteria_on_the_command_line_pick_from_the_plans(assets, tmp_path):
         CompareConfig.load(config, {"criteria": ["block-influence"]})
 
 
+def test_plans_on_the_command_line_replace_the_files(assets, tmp_path):
+    """``--plans`` names the (criterion, ratio) pairs outright, from a file with plans or with
+    criteria x ratios; with --criteria or --ratios beside it, or a pair that is not one, it fails."""
+    from overrep.app.commands import _plans
+
+    wanted = [["cosine", 0.5], ["block-influence", 0.25]]
+    assert _plans("cosine:0.5, block-influence:0.25") == wanted
+    for over in ({"plans": [["last", 0.3]]}, {}):
+        config = grid_file(assets, tmp_path, **over)
+        cfg = CompareConfig.load(config, {"plans": wanted})
+        assert cfg.pairs() == [("cosine", 0.5), ("block-influence", 0.25)]
+        assert cfg.criteria == ["cosine", "block-influence"] and cfg.ratios == [0.5, 0.25]
+    with pytest.raises(OverRepError, match="leave out --criteria and --ratios"):
+        CompareConfig.load(config, {"plans": wanted, "ratios": ["0.5"]})
+    for bad in ("cosine", "cosine:half", ":0.5"):
+        with pytest.raises(OverRepError, match="criterion:ratio pairs"):
+            _plans(bad)
+    with pytest.raises(OverRepError, match="unknown criterion 'nope'"):
+        CompareConfig.load(config, {"plans": [["nope", 0.5]]})
+
+
 @pytest.mark.parametrize("over, msg", [
     ({"variants": {"x": {"method": "nope"}}}, "variant 'x' needs 'method:'"),
     ({"variants": {"lora": {"method": "overrep"}}}, "has the name of a method"),

@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--methods", help=f"comma-separated, overrides the file ({METHODS.choices()})")
     c.add_argument("--criteria", help=f"comma-separated pruning criteria ({CRITERIA.choices()}), overrides the file")
     c.add_argument("--ratios", help="comma-separated pruning ratios, overrides the file")
+    c.add_argument("--plans", help="comma-separated criterion:ratio pairs such as cosine:0.5,block-influence:0.25: "
+                                   "these plans instead of the file's (not with --criteria / --ratios)")
     c.add_argument("--budgets", help="epochs, wallclock and/or durations such as 5m,10m (features + training), "
                                      "overrides the file")
     c.add_argument("--seeds", help="comma-separated recovery seeds (every cell once per seed), overrides the file")

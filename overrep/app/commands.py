@@ -262,13 +262,30 @@ def _ints(values: list[str] | None) -> list[int] | None:
         raise OverRepError(f"--seeds must be comma-separated integers, got {','.join(values)}") from None
 
 
+def _plans(value: str | None) -> list[list] | None:
+    """``--plans cosine:0.5,block-influence:0.25`` as ``[["cosine", 0.5], ["block-influence", 0.25]]``."""
+    if not value:
+        return None
+    plans = []
+    for item in (x.strip() for x in value.split(",") if x.strip()):
+        criterion, _, ratio = item.rpartition(":")
+        try:
+            plans.append([criterion, float(ratio)])
+        except ValueError:
+            criterion = ""
+        if not criterion:
+            raise OverRepError(f"--plans takes criterion:ratio pairs such as cosine:0.5, got '{item}'")
+    return plans
+
+
 def cmd_compare(args) -> int:
     from .compare import NOT_RUN, Compare, CompareConfig
 
     split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
     cfg = CompareConfig.load(args.config, {"output": args.output, "methods": split(args.methods),
                                            "criteria": split(args.criteria), "ratios": split(args.ratios),
-                                           "budgets": split(args.budgets), "seeds": _ints(split(args.seeds))})
+                                           "budgets": split(args.budgets), "seeds": _ints(split(args.seeds)),
+                                           "plans": _plans(args.plans)})
     if args.no_benchmarks:
         cfg.benchmarks = None
     if args.no_benchmarks and args.cached_benchmarks:
@@ -297,7 +314,7 @@ def cmd_compare(args) -> int:
 def _compare_command(args) -> str:
     """The ``overrep compare`` command line that wrote a page's tables (for the page)."""
     parts = ["overrep compare"] + [f"--{k.replace('_', '-')} {v}" for k in ("config", "methods", "criteria", "ratios",
-                                                                          "budgets", "seeds", "output", "into")
+                                                                          "plans", "budgets", "seeds", "output", "into")
                                    if (v := getattr(args, k))]
     if args.into and args.section != "results":
         parts.append(f"--section {args.section}")

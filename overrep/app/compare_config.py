@@ -43,7 +43,11 @@ class CompareConfig:
     def load(cls, path: str | Path | None, overrides: dict | None = None) -> "CompareConfig":
         data = read_yaml(path, "compare config") if path is not None else {}
         overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-        if data.get("plans") and ("criteria" in overrides or "ratios" in overrides):  # a part of the plans
+        if "plans" in overrides:  # these pairs, whatever the file's criteria, ratios or plans
+            if "criteria" in overrides or "ratios" in overrides:
+                raise OverRepError("compare: --plans names the (criterion, ratio) pairs; leave out --criteria and --ratios")
+            data.pop("criteria", None), data.pop("ratios", None)
+        elif data.get("plans") and ("criteria" in overrides or "ratios" in overrides):  # a part of the plans
             keep_c, keep_r = overrides.pop("criteria", None), overrides.pop("ratios", None)
             data["plans"] = [[c, r] for c, r in data["plans"] if (keep_c is None or c in keep_c)
                              and (keep_r is None or float(r) in [float(x) for x in keep_r])]
