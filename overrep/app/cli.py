@@ -149,9 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (("run", "the whole job: prune, cache, recover, merge, export, evaluate, report"),
                         ("inspect", "the pruning plan and the parameter/memory account (no training)"),
                         ("prune", "remove the blocks and export the pruned model without recovery"),
-                        ("cache", "build the feature cache only"),
+                        ("cache", "build the feature cache only (--clean: remove the caches a larger one serves)"),
                         ("recover", "prune, cache, train, merge and export without baseline evaluation")):
-        _common(sub.add_parser(name, help=help_, description=help_))
+        sp = sub.add_parser(name, help=help_, description=help_)
+        _common(sp)
+        if name == "cache":
+            sp.add_argument("--clean", action="store_true",
+                            help="build nothing: remove the feature caches (under cache.dir) whose rows a larger cache "
+                                 "of the same rows holds, never one a run is using")
+            sp.add_argument("--dry-run", action="store_true", help="--clean: list what it would remove")
     e = sub.add_parser("export", help="merge and export a finished training from its checkpoints")
     e.add_argument("run", nargs="?", help="the run's output folder")
     e.add_argument("--output", help=argparse.SUPPRESS)  # the old spelling of RUN (it named the input folder)

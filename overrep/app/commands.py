@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from ..errors import OverRepError
+from ..paths import cache_root
 
 #: ``overrep run`` flag -> the config field it sets (every flag is also reachable with --set)
 FLAG_FIELDS = (("model", "model.source"), ("preset", "recovery.preset"), ("output", "output"),
@@ -121,6 +122,10 @@ def cmd_cache(args) -> int:
     from .pipeline import Pipeline
 
     cfg = _config(args)
+    if args.clean:
+        return _clean_caches(Path(cfg.cache.dir) if cfg.cache.dir else cache_root(), args.dry_run)
+    if args.dry_run:
+        raise OverRepError("--dry-run goes with --clean")
     cfg.cache.mode = "disk"
     p = Pipeline(cfg, reuse=True, overwrite=args.overwrite, progress=not args.quiet)
     p.prepare_output()
@@ -129,6 +134,21 @@ def cmd_cache(args) -> int:
         p.prune()
         p.features()
     print(json.dumps(p.metrics["cache"], indent=2))
+    return 0
+
+
+def _clean_caches(root: Path, dry_run: bool) -> int:
+    """``overrep cache --clean``: the feature caches a larger one of the same rows serves."""
+    from ..data.cache.prefix import clean
+    from ..recovery.teacher import ROWS_KEY
+
+    done = clean(root / "features", ROWS_KEY, dry_run=dry_run)
+    for d in done:
+        print(f"{d['action']:>12}  {d['bytes'] / 2**30:6.2f} GiB  {d['folder']}: {d['why']}")
+    freed = sum(d["bytes"] for d in done if d["action"] in ("removed", "would remove"))
+    kept = sum(d["action"] == "kept" for d in done)
+    print(f"{'would free' if dry_run else 'freed'} {freed / 2**30:.2f} GiB in {root / 'features'}"
+          + (f"; {kept} kept (listed above)" if kept else "") if done else f"nothing to remove in {root / 'features'}")
     return 0
 
 

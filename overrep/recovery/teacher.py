@@ -32,6 +32,7 @@ from ..model.surgery import PrunePlan
 FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TEACHER_BATCH = 8  # rows per dense forward when computing features
 PROBE_ROWS = 2 * TEACHER_BATCH  # training rows a probe (mode "probe") computes features for
+ROWS_KEY = "rows"  # the fingerprint field of a cache of the first rows only (use_rows; prefix.py)
 
 #: A batch source: row indices -> per recovery group ``{"inputs", "targets"}``.
 FeatureSource = Callable[[list[int]], list[dict]]
@@ -82,7 +83,7 @@ class Teacher:
         """
         if n < self.train_ids.shape[0]:
             self.train_ids = self.train_ids[:n]
-            self.fingerprint = {**self.fingerprint, "rows": n}
+            self.fingerprint = {**self.fingerprint, ROWS_KEY: n}
 
     def batch(self, ids: torch.Tensor, inputs_only: bool = False) -> list[dict]:
         """Features of ``ids`` for every recovery group, ``TEACHER_BATCH`` rows at a time,
@@ -151,7 +152,7 @@ class Teacher:
                                    seq_len=self.train_ids.shape[1], hidden_size=self.dense.config.hidden_size,
                                    dtype=FEATURE_DTYPES[self.dtype], produce=produce, tensors=names,
                                    rebuild=self.rebuild, progress=self.progress, world=self.world,
-                                   prefix_key="rows")  # (use_rows: the first rows of the same data)
+                                   prefix_key=ROWS_KEY)  # (use_rows: the first rows of the same data)
         self.seconds += time.perf_counter() - t0
         self.kept.clear()  # (the probe's features of the training rows are in the cache now)
 

@@ -13,7 +13,11 @@ mini-batches from this cache for many epochs, so the cache must be
   are produced again;
 * **self-checking** -- the manifest records each shard's size and sha256 together with
   the caller's fingerprint (model, segment, data, dtype ...), so a stale, truncated or
-  corrupt cache is detected instead of silently training on wrong features.
+  corrupt cache is detected instead of silently training on wrong features;
+* **shared** -- runs that want one cache at once take turns: one builds it, the others
+  wait and read it (:mod:`~overrep.data.cache.lock`); ``overrep cache --clean`` removes the
+  caches a larger one of the same rows serves (:func:`~overrep.data.cache.prefix.clean`),
+  never one a run holds.
 
 Directory layout::
 
@@ -22,6 +26,7 @@ Directory layout::
     <path>/shard-00000.json            sidecar: size and sha256 of that shard
     ...
     <path>/manifest.json               written last; its presence means "complete"
+    <parent>/.<name>.lock              the lock runs take turns on (stays beside the folder)
 """
 
 from .build import build_or_open

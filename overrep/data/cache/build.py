@@ -15,6 +15,7 @@ from ...distributed import SINGLE, World
 from ...errors import OverRepError
 from .format import (FINGERPRINT, MANIFEST, FeatureCacheCorrupt, FeatureCacheMismatch, _clear_cache_files,
                      _dtype_name, _mismatch_reason, _read_json, _record)
+from .lock import CacheLock, release_own
 from .prefix import PrefixFeed, find_sibling
 from .reader import FeatureCache
 from .writer import FeatureCacheWriter
@@ -59,6 +60,10 @@ def build_or_open(
     ``num_samples`` (one that holds them all) or the leading rows of the build
     (:mod:`~overrep.data.cache.prefix`); not under ``rebuild="always"``, nor across ranks.
 
+    Runs that want one cache at once take turns (:mod:`~overrep.data.cache.lock`): the first
+    settles or builds it while the others wait, then each reads it under a shared lock that
+    the returned cache holds for its lifetime.
+
     ``produce(sample_range)`` returns ``{name: [len(sample_range), seq_len, hidden_size]}``
     for the samples of one shard (any dtype/device; cast to ``dtype`` on CPU).
     """
@@ -70,11 +75,56 @@ def build_or_open(
     expected = _record(fingerprint, layout)
     args = dict(fingerprint=fingerprint, num_samples=num_samples, seq_len=seq_len, hidden_size=hidden_size,
                 dtype=dtype, shard_size=shard_size, tensors=tensors, rank=world.rank)
-    if world.distributed:
-        return _build_together(path, expected, rebuild, args, produce, progress, world)
+    lock = CacheLock(path)
+    if world.is_main:
+        ready = _read_or_claim(lock, path, expected, rebuild)
+        if ready is not None and not world.distributed:
+            ready.hold(lock)
+            return ready
+    try:
+        if world.distributed:
+            cache = _build_together(path, expected, rebuild, args, produce, progress, world)
+        else:
+            cache = _build_alone(path, expected, rebuild, args, produce, progress, prefix_key)
+    except BaseException:
+        lock.release()
+        raise
+    if cache.path == path and world.is_main:
+        lock.shared()  # read from now on: not removed under this run (`overrep cache --clean`)
+        cache.hold(lock)
+    else:
+        lock.release()  # (a sibling's rows: its own lock, which find_sibling took)
+    return cache
+
+
+def _read_or_claim(lock: CacheLock, path: Path, expected: dict, rebuild: str) -> FeatureCache | None:
+    """The complete matching cache at ``path`` with ``lock`` held shared, or None with it
+    held exclusively (this run settles or builds the folder). A run building it now is waited
+    for; runs reading it hold it shared, so a cache this run would have to rebuild while they
+    read it is retried every second until they are done."""
+    waiting = False
+    while True:
+        lock.shared()  # (waits while a run builds it)
+        found = _probe_existing(path, expected)[0] if rebuild != "always" else None
+        if found is not None:
+            return found
+        lock.release()
+        if lock.exclusive(wait=False):
+            return None
+        if release_own(path):  # this process's own earlier reader of it: rebuilt under it, as without a lock
+            continue
+        if not waiting:
+            logger.info("feature cache %s: another run holds it; waiting for it", path)
+            waiting = True
+        time.sleep(1.0)
+
+
+def _build_alone(path: Path, expected: dict, rebuild: str, args: dict, produce, progress: bool,
+                 prefix_key: str | None) -> FeatureCache:
     cache = _settle(path, expected, rebuild)
     if cache is not None:
         return cache
+    num_samples = expected["layout"]["num_samples"]
     sibling = find_sibling(path, expected, prefix_key) if prefix_key and rebuild != "always" else None
     if sibling is not None and len(sibling) >= num_samples:
         logger.info("feature cache: the first %d rows of the cache of %d at %s (the same rows)", num_samples,

@@ -136,6 +136,12 @@ class FeatureCache:
         self.tensor_names: tuple[str, ...] = tuple(layout["tensors"])
         self.nbytes: int = sum(entry["size"] for entry in manifest["shards"])
         self._files: OrderedDict[int, _ShardFile] = OrderedDict()
+        self._lock = None  # a CacheLock held shared while this reader lives (hold)
+
+    def hold(self, lock) -> None:
+        """Keep ``lock`` (:class:`~overrep.data.cache.lock.CacheLock`, held shared) while this
+        reader, or a :meth:`first` view of it, lives: the folder is not removed under it."""
+        self._lock = lock
 
     @property
     def build_seconds(self) -> float:
@@ -160,7 +166,7 @@ class FeatureCache:
         if not 0 < n <= self._num_samples:
             raise IndexError(f"cannot read the first {n} samples of a cache of {self._num_samples}")
         view = FeatureCache(self.path, self.manifest)
-        view._num_samples = n
+        view._num_samples, view._lock = n, self._lock
         return view
 
     @classmethod
@@ -265,6 +271,7 @@ class FeatureCache:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_files"] = OrderedDict()  # open files are per process
+        state["_lock"] = None  # and so are locks
         return state
 
     def _file(self, shard: int) -> _ShardFile:
