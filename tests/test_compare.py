@@ -374,11 +374,19 @@ def test_into_a_named_section_leaves_the_pages_other_blocks_alone(assets, tmp_pa
     assert page.read_text() == text
 
 
-def test_collect_only_runs_no_cell_and_lists_the_unfinished_ones(assets, tmp_path):
+def test_collect_only_runs_no_cell_and_lists_the_unfinished_ones(assets, tmp_path, capsys):
+    from overrep.app.runlock import RunLock
+
     config = grid_file(assets, tmp_path, methods=["plain"], budgets=["epochs"])
     assert main(["compare", "--config", config, "--quiet"]) == 0
     cells = sorted((tmp_path / "grid" / "cells").glob("*/metrics.json"))
+    running = RunLock(tmp_path / "grid")  # another grid running in the folder: no second one runs cells there,
+    running.acquire()  # whose timed cells would share the machine, but its tables can be collected
+    capsys.readouterr()
+    assert main(["compare", "--config", config, "--methods", "plain,lora", "--quiet"]) == 2
+    assert "is in use by another overrep run" in capsys.readouterr().err
     assert main(["compare", "--config", config, "--methods", "plain,lora", "--collect-only", "--quiet"]) == 0
+    running.release()
     assert sorted((tmp_path / "grid" / "cells").glob("*/metrics.json")) == cells  # nothing new ran
     rows = json.loads((tmp_path / "grid" / "results.json").read_text())["rows"]
     assert {(r["method"], r["status"]) for r in rows} == {("plain", "ok"), ("lora", "not run")}

@@ -63,6 +63,7 @@ from . import compare_folder
 from .compare_benchmarks import collect
 from .compare_config import FREE, CompareConfig, deep_update, budget_seconds
 from .config import RunConfig
+from .runlock import RunLock
 from ..errors import OverRepError
 from ..memo import digest
 from ..atomic import write_json
@@ -322,9 +323,18 @@ class Compare:
         return rows
 
     def run(self) -> dict:
+        cfg = self.cfg
+        lock = RunLock(self.out)  # one grid at a time in a folder: its cells run one after another, each timed alone
+        if not self.collect_only:
+            lock.acquire()
+        try:
+            return self._run(cfg)
+        finally:
+            lock.release()
+
+    def _run(self, cfg: CompareConfig) -> dict:
         from tqdm.auto import tqdm
 
-        cfg = self.cfg
         compare_folder.prepare(self.out)
         (self.out / "compare.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         bar = tqdm(total=self.plan_cells(), desc="compare", unit="cell", disable=not self.progress,
