@@ -410,7 +410,8 @@ def _protocol_figures(m: dict) -> dict:
             "warm_start": (m.get("warm_start") or {}).get("used"),  # what the run started from (auto decides)
             "cold_because": (m.get("warm_start") or {}).get("why"),  # why auto started it cold, where it did
             "cold_code": (m.get("warm_start") or {}).get("cold"),  # the same as a code (recovery.methods.COLD_STARTS)
-            "closed_form_seconds": _fit_seconds(m.get("closed_form") or {})}
+            "closed_form_seconds": _fit_seconds(m.get("closed_form") or {}),
+            "cpu_shared": m.get("cpu_shared")}  # what the rest of the machine took meanwhile (runinfo.CpuMeter)
 
 
 def _domain_ratios(m: dict, unseen: set[str]) -> dict[str, float]:

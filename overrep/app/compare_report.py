@@ -121,7 +121,19 @@ def _used(r: dict) -> str:
     if used is None or not budget:
         return f"{r['recovery_seconds']:.0f}"
     flag = " **over**" if over_budget(r) else ""
-    return f"{used:.0f} / {budget:.0f}{flag}" + (" (stopped at deadline)" if r.get("stopped_at_deadline") else "")
+    taken = shared_cpu(r)
+    return (f"{used:.0f} / {budget:.0f}{flag}" + (" (stopped at deadline)" if r.get("stopped_at_deadline") else "")
+            + (f" **(machine shared: {100 * taken:.0f}% of its CPU to others)**" if taken >= SHARED else ""))
+
+
+SHARED = 0.05  # a timed cell that lost this share of the machine's CPU to other processes is flagged
+
+
+def shared_cpu(r: dict) -> float:
+    """The share of the machine's CPU that other processes (and the hypervisor) took while a
+    cell recovered; 0 where not measured (a cell from before it was, or not on Linux)."""
+    c = r.get("cpu_shared") or {}
+    return float(c.get("others_share") or 0) + float(c.get("steal_share") or 0)
 
 
 def _domains(r: dict) -> str:
@@ -238,7 +250,8 @@ def markdown(results: dict) -> str:
               "split (what choices read); RP: retained performance on the benchmarks; LAMBADA %: last-word "
               "accuracy of greedy decoding; distinct-2: distinct bigrams of greedy continuations (low = "
               "repetition); seconds used: features + training up to the end of training, against the cell's "
-              "budget (a closed form: its fit; it trains nothing); TFLOPs: training (one step's forward "
+              "budget (a closed form: its fit; it trains nothing), flagged where other processes took "
+              f"{100 * SHARED:.0f}% or more of the machine's CPU meanwhile (the cell trained on less); TFLOPs: training (one step's forward "
               "counted by torch's FlopCounterMode, x 3 for the backward, x steps) plus the dense forward passes that "
               "built the features; extra module: a reference whose patch the stock architecture has no place for "
               "(LinearPatch), scored in memory with its extra parameters and never exported.", ""]

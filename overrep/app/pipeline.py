@@ -47,7 +47,7 @@ from .budgeting import BudgetFit, budget_outcome, checkpointed_total, compute_sp
 from .config import RunConfig
 from .export import export_checked, export_model
 from .outdir import RunFolder
-from .runinfo import environment, how_it_ran
+from .runinfo import CpuMeter, environment, how_it_ran
 from .scoring import score_model
 from . import warm_start
 
@@ -81,6 +81,7 @@ class Pipeline:
         self.pruned = None  # prune (merge: the compact model)
         self.budget: BudgetFit | None = None  # build_recovery: recovery.time_budget's decision
         self.recovery_started: float | None = None  # build_recovery: when the recovery (and a budget) started
+        self.cpu_meter: CpuMeter | None = None  # build_recovery to train's end: the machine's other load
         self.recovery = None  # build_recovery: the method's MethodRun
         self.trainer, self.history = None, []  # train
 
@@ -241,6 +242,7 @@ class Pipeline:
         from checkpoints and ``overrep inspect``)."""
         assert self.recovery is None, "the recovery is built once"
         self.recovery_started = t0 = time.perf_counter()  # a time budget counts from here
+        self.cpu_meter = CpuMeter() if not self.world.distributed else None  # what others took of the CPUs meanwhile
         r = self.cfg.recovery
         budgeted = self.budgeted
         # under a time budget a warm start's map is fitted once the probe has timed its layout
@@ -352,6 +354,8 @@ class Pipeline:
             if self.teacher is not None and self.teacher.live_rows_read:  # the later phase read past the cache
                 self.metrics["time_budget"].update(live_rows=self.teacher.live_rows_read,
                                                    live_seconds=round(self.teacher.live_seconds, 2))
+        if self.cpu_meter is not None:
+            self.metrics["cpu_shared"] = self.cpu_meter.read()
         if self.world.is_main:
             trainer.write_log(self.out / "train_log.jsonl")
         self.metrics.update({"train_steps": result.steps, "train_seconds": result.seconds, "train_tokens": result.tokens,

@@ -98,6 +98,19 @@ def _budget_line(b: dict | None) -> list[str]:
             f"final evaluation predicted at {sec(limit['predicted_final_eval_seconds'])} s"]
 
 
+def _cpu_line(c: dict | None) -> list[str]:
+    """What the rest of the machine took of its CPUs while the run recovered (runinfo.CpuMeter)."""
+    if not c:
+        return []
+    taken = c["others_share"] + c["steal_share"]
+    what = (f"other processes {100 * c['others_share']:.0f}%, the hypervisor {100 * c['steal_share']:.0f}% of its "
+            f"{c['cpus']} CPU(s) over {c['seconds']:,.0f} s")
+    if taken < 0.05:
+        return [f"- the machine was otherwise idle while the run recovered ({what})"]
+    return [f"- **the machine was shared while the run recovered** ({what}): its training had that much less CPU, "
+            "and a time budget bought fewer steps than on an idle machine"]
+
+
 def _selection_line(sel: dict | None) -> list[str]:
     if not sel:
         return []
@@ -250,6 +263,7 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
         f"- {m.get('train_steps')} steps, {_fmt(m.get('train_seconds'), 3)} s, "
         f"{_fmt(m.get('train_tokens_per_second'), 4)} tokens/s",
         *_budget_line(m.get("time_budget")),
+        *_cpu_line(m.get("cpu_shared")),
         f"- final training {loss} {_fmt(m.get('final_train_loss'))}, validation {_fmt(m.get('final_val_loss'))}",
         *_selection_line(m.get("keep_best")),
         (f"- fold: {m.get('merged_wrappers') or 'adapter'} modules folded, max abs difference "

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
+import resource
+import time
 from pathlib import Path
 
 import torch
@@ -81,6 +84,46 @@ def environment(device: torch.device) -> dict:
 
     return {"overrep": __version__, "code": code_fingerprint(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": platform.python_version(), "machine": processor(device)}
+
+
+def _cpu_sample(stat: str | None = None) -> tuple[float, int, float, float, float] | None:
+    """(wall clock, CPUs, seconds every CPU was busy, of which stolen by the hypervisor, this
+    process's and its waited-for children's CPU seconds), from ``/proc/stat``; None elsewhere."""
+    try:
+        if stat is None:
+            with open("/proc/stat") as f:
+                stat = f.read()
+        lines = stat.splitlines()
+        ticks = [int(v) for v in lines[0].split()[1:]]
+        cpus = sum(line.startswith("cpu") and line[3:4].isdigit() for line in lines)
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (ticks + [0] * 8)[:8]
+    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    return time.monotonic(), max(cpus, 1), (user + nice + system + irq + softirq) / hz, steal / hz, own
+
+
+class CpuMeter:
+    """What the rest of the machine took of its CPUs while a stretch of this run ran: the other
+    processes' share (every CPU's busy time, less this process's and its children's) and the
+    hypervisor's (steal). A time budget buys its steps on the CPU it gets, so a timed run or
+    grid cell that shared the machine trained fewer steps; ``metrics.json``'s ``cpu_shared``
+    and the report say so. One process only (the ranks of a ``torchrun`` run are each other's
+    "others"); Linux only (``/proc/stat``): None elsewhere."""
+
+    def __init__(self) -> None:
+        self.start = _cpu_sample()
+
+    def read(self) -> dict | None:
+        end = _cpu_sample()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        wall, cpus = end[0] - self.start[0], end[1]
+        others = max(0.0, (end[2] - self.start[2]) - (end[4] - self.start[4]))
+        return {"seconds": round(wall, 1), "cpus": cpus, "others_share": round(min(1.0, others / (wall * cpus)), 3),
+                "steal_share": round(min(1.0, (end[3] - self.start[3]) / (wall * cpus)), 3)}
 
 
 @functools.lru_cache(maxsize=1)
