@@ -10,7 +10,10 @@ timed, forward and backward, on the same rows of the default training text, once
 and once fused (:func:`overrep.core.linear_ce.head_cross_entropy`), the two alternating
 ``--repeats`` times so that a drift of the machine hits both; it prints the median, the fastest
 and the slowest step of each, the ratio of the medians, and how far the two losses and
-gradients are apart (and, in bf16, how far each gradient is from the plain fp32 one).
+gradients are apart (and, in bf16, how far each gradient is from the plain fp32 one). The tail
+is also timed without its LM head (the final norm's output through a fixed projection as the
+loss), alternating with the other two, so that the head's share of a ``ce`` step is known
+(``head_share``: what a loss on fewer positions, or a cheaper head, could save at most).
 
 Run:   .venv/bin/python benchmarks/bench_next_token_loss.py                 (embedded SmolLM2-135M)
        .venv/bin/python benchmarks/bench_next_token_loss.py --remove 9-19 --batch 8 --repeats 12
@@ -87,6 +90,11 @@ def main() -> None:
         x = run_to_hidden(h, tail, norm)
         return head_cross_entropy(x[:, :-1].flatten(0, 1), head, labels, softcap)
 
+    probe = torch.randn(h0.shape[-1], generator=torch.Generator().manual_seed(0))
+
+    def tail_no_head(h):  # the same frozen blocks and final norm, no LM head: what the head costs is the rest
+        return (run_to_hidden(h, tail, norm).float() @ probe).mean()
+
     def tail_step(fn, at=None):
         h = h0.clone().requires_grad_()
         t = time.perf_counter()
@@ -131,15 +139,17 @@ def main() -> None:
             params[:] = [p for p in peft.parameters() if p.requires_grad]
             case = (whole_step, lambda x: peft(input_ids=x, labels=x, use_cache=False).loss, CausalLMLoss(peft))
         step, plain, fused = case
-        times: dict = {"plain": [], "fused": []}
-        step(plain), step(fused)  # warm-up
+        kinds = [("plain", plain), ("fused", fused)] + ([("no_head", tail_no_head)] if name == "tail" else [])
+        times: dict = {kind: [] for kind, _ in kinds}
+        for _, fn in kinds:  # warm-up
+            step(fn)
         for _ in range(args.repeats):
-            for kind, fn in (("plain", plain), ("fused", fused)):
+            for kind, fn in kinds:
                 seconds, loss, grad = step(fn)
                 times[kind].append(seconds)
                 if kind == "plain":
                     ref = (loss, grad.clone())
-                else:
+                elif kind == "fused":
                     diff = {"loss": abs(loss - ref[0]) / abs(ref[0]),
                             "gradient": ((grad - ref[1]).norm() / ref[1].norm()).item()}
         res = {k: _summary(v) for k, v in times.items()}
@@ -148,13 +158,17 @@ def main() -> None:
             res["gradient_error_vs_fp32"] = {kind: ((step(fn)[2] - exact).norm() / exact.norm()).item()
                                              for kind, fn in (("plain", plain), ("fused", fused))}
         res["plain_over_fused"] = res["plain"]["median"] / res["fused"]["median"]
+        if "no_head" in res:  # the share of a fused tail step the LM head and its cross-entropy take
+            res["head_share"] = 1 - res["no_head"]["median"] / res["fused"]["median"]
         res["relative_difference"] = diff
         if name != "tail":
             res["fused_used"] = fused.parts is not None
         out["cases"][name] = res
         print(f"{name}: plain {res['plain']['median']:.3f} s [{res['plain']['min']:.3f}, {res['plain']['max']:.3f}], "
               f"fused {res['fused']['median']:.3f} s [{res['fused']['min']:.3f}, {res['fused']['max']:.3f}]: "
-              f"{res['plain_over_fused']:.2f}x", file=sys.stderr)
+              f"{res['plain_over_fused']:.2f}x"
+              + (f"; without the head {res['no_head']['median']:.3f} s (the head {res['head_share']:.0%} of the fused step)"
+                 if "no_head" in res else ""), file=sys.stderr)
     print(json.dumps(out, indent=2))
 
 

@@ -140,6 +140,9 @@ def test_next_token_loss_bench_times_both_ways_and_they_agree(tmp_path):
         assert case["plain_over_fused"] > 0
         assert case["relative_difference"]["loss"] < 1e-5 and case["relative_difference"]["gradient"] < 1e-4
     assert out["cases"]["whole_model"]["fused_used"] and out["cases"]["lora"]["fused_used"]
+    tail = out["cases"]["tail"]  # the tail alone is timed too: the head's share of a ce step
+    assert tail["no_head"]["steps"] == 2 and tail["head_share"] == 1 - tail["no_head"]["median"] / tail["fused"]["median"]
+    assert "no_head" not in out["cases"]["lora"] and "head_share" not in out["cases"]["whole_model"]
 
 
 def test_the_probe_bench_times_the_probe_and_the_run_in_one_process(assets, tmp_path):
