@@ -70,13 +70,49 @@ def count_map_fits(monkeypatch) -> list:
     return fits
 
 
+def test_auto_warms_plain_only_up_to_its_step_ceiling(assets, tmp_path, monkeypatch):
+    """``recovery.warm_start: auto`` warms Plain only where the run trains at most its method's
+    ``auto_warm_max_steps`` (the map stops paying it past them): a step count set in the config
+    decides before the plan; a time budget's once its probe has timed the warm start, before the
+    map is fitted, and the fall-back is recorded in the run folder, so that a ``--resume``
+    (whose checkpointed step count decides nothing) starts cold too."""
+    from overrep.recovery.methods import METHODS
+    from overrep.recovery.trainer import Trainer
+
+    monkeypatch.setitem(METHODS._entries, "plain", replace(METHODS["plain"], auto_warm_max_steps=5))
+    monkeypatch.setattr(Trainer, "measure", lambda self, steps=2, within=None: StepCosts(1.0, 0.0, 0.0))  # ~15 in 20 s
+
+    def cfg(name, **over):
+        return tiny_cfg(assets, tmp_path / name, eval__latency=False, eval__domains="", recovery__closed_rows=8,
+                        prune__remove="2-3", recovery__method="plain", **over)
+
+    fits = count_map_fits(monkeypatch)
+    few = Pipeline(cfg("few", recovery__steps=5), progress=False).run()
+    assert few["warm_start"]["used"] == "replaceme" and len(fits) == 1
+    many = Pipeline(cfg("many", recovery__steps=6), progress=False).run()
+    assert many["warm_start"]["used"] == "none" and many["warm_start"]["cold"] == "steps" and len(fits) == 1
+    assert "plain trains 6 steps, past the 5 up to which the map was measured to pay it" in many["warm_start"]["why"]
+    budgeted = cfg("budgeted", recovery__steps=None, recovery__time_budget="20s")
+    long = Pipeline(budgeted, progress=False).run()
+    assert long["warm_start"]["used"] == "none" and long["warm_start"]["cold"] == "steps" and len(fits) == 1
+    assert re.search(r"plain trains \d+ steps, past the 5", long["warm_start"]["why"]) and long["train_steps"] > 5
+    assert "warm start's probe" in long["time_budget"]["timed_by"]  # timed once, warm
+    assert json.loads((tmp_path / "budgeted" / "cold_start.json").read_text())["cold"] == "steps"
+    again = cfg("again", recovery__steps=None, recovery__time_budget="20s")
+    run_killed_at(monkeypatch, again, 2)
+    resumed = Pipeline(again, resume=True, progress=False).run()
+    assert resumed["warm_start"]["used"] == "none" and resumed["warm_start"]["cold"] == "steps" and len(fits) == 1
+    assert resumed["warm_start"]["why"].startswith("the run it resumes started cold: plain trains")
+    named = Pipeline(cfg("named", recovery__steps=6, recovery__warm_start="replaceme"), progress=False).run()
+    assert named["warm_start"]["used"] == "replaceme" and len(fits) == 2  # asked for by name: any step count
+
+
 def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(assets, tmp_path, monkeypatch):
     """``recovery.warm_start: auto`` where the budget leaves the warm start fewer steps than its
     floor trains the cold start instead (a warm start asked for by name is refused, above): the
     cold start's plan, its stitched unrecovered model scored as a cold run scores it, the reason
     in metrics.json; a --resume of that run resumes the cold start."""
     import overrep.app.budgeting as budgeting
-    from overrep.app.warm_start import RESUMED_COLD
     from overrep.recovery.trainer import Trainer
 
     monkeypatch.setattr(budgeting, "MIN_WARM_BUDGET_STEPS", 100)
@@ -110,8 +146,10 @@ def test_auto_warm_start_starts_cold_where_the_budget_leaves_it_too_few_steps(as
     again = cfg("again")
     run_killed_at(monkeypatch, again, 2)
     resumed = Pipeline(again, resume=True, progress=False).run()
-    assert resumed["warm_start"] == {"setting": "auto", "used": "none", "preset": "hybrid", "why": RESUMED_COLD[1],
-                                     "cold": "resumed"}
+    assert resumed["warm_start"] == {"setting": "auto", "used": "none", "preset": "hybrid", "cold": "budget",
+                                     "why": "the run it resumes started cold: " + json.loads(
+                                         (tmp_path / "again" / "cold_start.json").read_text())["why"]}
+    assert "of the 100 optimiser steps it needs" in resumed["warm_start"]["why"]
     assert resumed["recovery_modules"] == cold["recovery_modules"]
     # a budget too short for the cold start too: its refusal says the warm start was tried first
     monkeypatch.setattr(budgeting, "MIN_BUDGET_STEPS", 100)

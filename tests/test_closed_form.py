@@ -17,7 +17,7 @@ from overrep.recovery.closed_form import (FitOptions, NormalEquations, _block_ou
                                           balance_sinks, fold_blocker, fold_map, token_weights)
 from overrep.recovery.compensation import fold_scale, hadamard, linear_patch, prunecomp, tune_patches
 from overrep.recovery.methods import build_recovery, get_method
-from overrep.recovery.methods.closed_form import fit_options
+from overrep.recovery.methods.closed_form import AUTO_WARM_MAX_STEPS, fit_options
 
 from tiny import tiny_cfg, tiny_config, tiny_ids, tiny_model
 
@@ -406,6 +406,15 @@ def test_auto_warm_start_keeps_the_layout_configured_where_the_run_leaves_no_roo
     assert q.metrics["warm_start"]["block1_init"] == "stitched"
 
 
+@pytest.mark.parametrize("method, preset", [("plain", "plain"), ("streamline", "plain-full")])
+def test_auto_warms_plain_and_streamline_under_their_ceilings_with_their_own_presets(assets, tmp_path, method, preset):
+    p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__method=method, recovery__warm_start="auto",
+                          recovery__steps=8, recovery__closed_rows=8, **FAST), progress=False)
+    p.load(create_output=False)
+    assert p.metrics["warm_start"]["used"] == "replaceme" and p.rcfg.preset == preset
+    assert p.metrics["warm_start"].get("block1_init") is None  # OverRep's warm layout is OverRep's alone
+
+
 def test_an_explicit_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_path):
     p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__method="plain", recovery__warm_start="replaceme",
                           recovery__closed_rows=8, **FAST), progress=False)
@@ -418,8 +427,11 @@ def test_an_explicit_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_pat
 
 
 @pytest.mark.parametrize("over, words", [
-    (dict(recovery__method="streamline"), "not measured to gain"),  # auto warms the methods measured to gain
-    (dict(recovery__method="plain"), "not measured to gain"),  # worse from the map at 5 minutes on three seeds
+    # Plain and Streamline past their ceilings of steps, where the map stopped paying them
+    (dict(recovery__method="streamline", recovery__steps=AUTO_WARM_MAX_STEPS + 1),
+     f"past the {AUTO_WARM_MAX_STEPS} up to which"),
+    (dict(recovery__method="plain", recovery__epochs=1000, recovery__steps=None, recovery__time_budget=None),
+     f"past the {AUTO_WARM_MAX_STEPS}"),
     (dict(recovery__method="lora"), "not measured to gain"),  # an explicit warm_start warms it (below)
     (dict(prune__remove="0-1"), "block 0"),
     (dict(prune__granularity="width", prune__remove=None, prune__ratio=0.25), "widths"),

@@ -58,7 +58,7 @@ def _trained(cfg):
 def test_a_method_without_annealing_ends_at_its_best_step(assets, tmp_path, scripted):
     scripted["script"] = {1: 9.0, 2: 4.0, 3: 6.0, 4: 7.0, 5: 8.0, 6: 8.5}
     trainer = _trained(tiny_cfg(assets, tmp_path / "p", recovery__method="plain", recovery__steps=6,
-                                recovery__eval_every=1))
+                                recovery__eval_every=1, recovery__warm_start="none"))
     assert trainer.selected == {"step": 2, "val_ppl": 4.0, "last_step": 6, "last_val_ppl": 8.5}
     for p, kept in zip(trainer.objective.parameters(), scripted["seen"][2]):
         assert torch.equal(p, kept)
@@ -81,13 +81,13 @@ def test_overrep_chooses_only_among_steps_that_fold_exactly(assets, tmp_path, sc
 def test_off_or_best_at_the_end_keeps_the_last_step(assets, tmp_path, scripted):
     scripted["script"] = {1: 9.0, 2: 4.0, 3: 6.0, 4: 7.0}
     off = _trained(tiny_cfg(assets, tmp_path / "off", recovery__method="plain", recovery__steps=4,
-                            recovery__eval_every=1, recovery__keep_best=False))
+                            recovery__eval_every=1, recovery__keep_best=False, recovery__warm_start="none"))
     assert off.selected is None
     for p, last in zip(off.objective.parameters(), scripted["seen"][4]):
         assert torch.equal(p, last)
     scripted["script"] = {1: 9.0, 2: 4.0, 3: 6.0, 4: 3.0}
     on = _trained(tiny_cfg(assets, tmp_path / "on", recovery__method="plain", recovery__steps=4,
-                           recovery__eval_every=1))
+                           recovery__eval_every=1, recovery__warm_start="none"))
     assert on.selected["step"] == on.selected["last_step"] == 4
 
 
@@ -97,7 +97,7 @@ def test_a_last_step_left_unvalidated_is_not_given_an_earlier_steps_score(assets
     scripted["script"] = {1: 9.0, 2: 4.0, 3: 6.0}
     monkeypatch.setattr(Trainer, "room_to_validate", lambda self: self.step != self.total)
     trainer = _trained(tiny_cfg(assets, tmp_path / "u", recovery__method="plain", recovery__steps=4,
-                                recovery__eval_every=1))
+                                recovery__eval_every=1, recovery__warm_start="none"))
     assert trainer.selected == {"step": 4, "val_ppl": None, "last_step": 4, "last_val_ppl": None,
                                 "validated_step": 3, "validated_ppl": 6.0}
     from overrep.app.report import _selection_line
@@ -106,7 +106,7 @@ def test_a_last_step_left_unvalidated_is_not_given_an_earlier_steps_score(assets
 
 def test_the_choice_survives_a_kill_and_resume(assets, tmp_path, monkeypatch, scripted):
     scripted["script"] = {2: 9.0, 4: 4.0, 6: 6.0, 8: 7.0}  # best at 4, killed at 7 (last checkpoint 6)
-    kw = dict(recovery__method="plain", recovery__eval_every=2, eval__latency=False)
+    kw = dict(recovery__method="plain", recovery__eval_every=2, eval__latency=False, recovery__warm_start="none")
     ref = tmp_path / "ref"
     Pipeline(tiny_cfg(assets, ref, **kw), progress=False).run()
     out = tmp_path / "out"
@@ -136,7 +136,8 @@ def test_export_from_checkpoints_keeps_the_chosen_step(assets, tmp_path, scripte
 
     scripted["script"] = {2: 9.0, 4: 4.0, 6: 6.0, 8: 7.0}
     out = tmp_path / "run"
-    m = Pipeline(tiny_cfg(assets, out, recovery__method="plain", recovery__eval_every=2, eval__latency=False),
+    m = Pipeline(tiny_cfg(assets, out, recovery__method="plain", recovery__eval_every=2, eval__latency=False,
+                          recovery__warm_start="none"),
                  progress=False).run()
     assert m["keep_best"]["step"] == 4
     before = load_file(out / "model" / "model.safetensors")

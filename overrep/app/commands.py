@@ -358,7 +358,8 @@ def cmd_methods(args) -> int:
         print(f"  {name:12s} {loss.description}")
     from ..recovery.methods.closed_form import AUTO, COMPENSATE, WARM_STARTS
 
-    auto = ", ".join(n for n, m in METHODS.items() if m.auto_warm_start)
+    auto = ", ".join(n + (f" up to {m.auto_warm_max_steps} steps" if m.auto_warm_max_steps else "")
+                     for n, m in METHODS.items() if m.auto_warm_start)
     print(f"before a method starts: recovery.compensate {' | '.join(COMPENSATE)} (prunecomp: Prune&Comp's scale at "
           f"each gap, folded exactly); recovery.warm_start {' | '.join(WARM_STARTS)} (any method that trains) | {AUTO} "
           f"(replaceme for {auto} where the fit applies and a time budget leaves it 20 steps, else none; overrep "

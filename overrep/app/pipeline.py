@@ -160,8 +160,8 @@ class Pipeline:
         self.timings["data"] = time.perf_counter() - t0
         self.select_widths() if self.width else self.select_blocks()
         warm_start.resolve(self)  # the plan, the resolved recovery section and the teacher follow from it
-        if warm_start.resumes_cold(self):
-            warm_start.resolve(self, cold_because=warm_start.RESUMED_COLD)
+        if cold := warm_start.resumes_cold(self):
+            warm_start.resolve(self, cold_because=cold)
         if not create_output or not self.world.is_main:
             return
         # the output folder is touched only once model, plan and data are known good (a typo changes nothing)

@@ -40,6 +40,7 @@ class Method:
     width_lr: float | None = None  # its default learning rate on a width-pruned model (None: default_lr)
     planned_account: bool = True  # `overrep inspect` counts what trains from the plan (False: builds the method)
     auto_warm_start: bool = False  # recovery.warm_start: auto starts it from ReplaceMe's fit where that applies
+    auto_warm_max_steps: int | None = None  # ... and only where the run trains at most this many steps (None: any)
     trains: bool = True  # False: a closed form, fitted when it is set up; the pipeline runs no training steps
     exports: bool = True  # False: a reference that needs a module the stock architecture lacks (LinearPatch): scored, never exported
     block1_init: str | None = None  # forced layout of the block before each gap (None: recovery.block1_init)

@@ -17,10 +17,11 @@ features and learns the gap itself, so there the scale is refused (it would not 
 function the features describe).
 
 ``recovery.warm_start: auto`` warm-starts where it is measured to help and the fit applies
-(:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep; Plain and
-Streamline measured level or worse from it over three seeds: docs/closed-forms.md), block
-pruning, a mask of one removed run (several runs measured worse warm: docs/results-log.md), and
-every removed run foldable (:func:`~overrep.recovery.closed_form.fold_blocker`);
+(:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep at any step
+count; Plain and Streamline up to :data:`AUTO_WARM_MAX_STEPS` steps, where the map was measured to
+pay them: docs/closed-forms.md), block pruning, a mask of
+one removed run (several runs measured worse warm: docs/results-log.md), and every removed run
+foldable (:func:`~overrep.recovery.closed_form.fold_blocker`);
 anywhere else the run starts cold and ``metrics.json`` says why.
 """
 
@@ -48,10 +49,21 @@ WARM_STARTS = {"none": None, "replaceme": "lstsq", "replaceme-cos": "cosine"}
 AUTO = "auto"
 AUTO_WARM_START = "replaceme"
 #: why ``auto`` started a run cold, as ``metrics.json`` records it (``warm_start.cold``) beside
-#: its sentence (``warm_start.why``), each in a few words for a table
+#: its sentence (``warm_start.why``), each in a few words for a table (``resumed``: a resumed
+#: fall-back of older code; a resumed run now keeps its first reason's code)
 COLD_STARTS = {"budget": "too short for the warm start", "resumed": "too short for the warm start",
                "method": "not measured to gain from it", "width": "width pruning", "runs": "a mask of several runs",
-               "no-map": "the map does not apply"}
+               "no-map": "the map does not apply", "steps": "past the steps where the map pays"}
+#: the most optimiser steps at which ``auto`` warms Plain and Streamline (``Method.auto_warm_max_steps``;
+#: OverRep has none: its map paid at every budget measured). Measured on the cosine mask at 25%, on
+#: validation, the steps the warm start trained (docs/closed-forms.md): the map paid Plain 13% at
+#: 186-207 steps (bf16, 5 minutes), 8% at 233-242 (fp32, 10 minutes) and 4% at 363 (fp32, 15
+#: minutes, seed 0), and cost it 6% at 426-472 (bf16, 10 minutes); it paid Streamline 11% at
+#: 215-224 (bf16, 5 minutes) and 15% at 251-261 (fp32, 10 minutes), was level on two seeds at
+#: 372-420 (fp32, 15 minutes: -4% and +9%, the start with more steps ahead on each) and cost it 5%
+#: at 479-490 (bf16, 10 minutes); three seeds, every seed, where not said. Near the ceiling the two
+#: starts are level, so an error in it costs little
+AUTO_WARM_MAX_STEPS = 400
 #: the preset ``auto``'s warm start trains instead of the default ``hybrid``: the annealed activation
 #: loses the closed form's head start (2.5 min: validation 120 linear against 144 annealed,
 #: docs/closed-forms.md)
@@ -122,13 +134,15 @@ def fit_options(r) -> FitOptions:
 
 
 def resolve_warm_start(r, method: Method, model, removed: list[int] | None, probe,
-                       cold_because: tuple[str, str] | None = None) -> tuple[object, dict]:
+                       cold_because: tuple[str, str] | None = None, steps: int | None = None) -> tuple[object, dict]:
     """``r`` (the ``recovery`` section) with ``warm_start`` and ``preset`` made concrete before
     the recovery is planned, and its record for ``metrics.json`` (what ``auto`` chose and why).
     ``model``: the dense model; ``removed``: its removed blocks (None: width pruning);
     ``probe``: a training row or two for :func:`~overrep.recovery.closed_form.fold_blocker`;
     ``cold_because``: why ``auto`` starts cold whatever the mask, ``(code, sentence)`` (a time
     budget that left the warm start fewer steps than its floor: :func:`~overrep.app.warm_start.start_cold`);
+    ``steps``: the run's step count where it is known before the plan (no time budget; under one,
+    :func:`~overrep.app.warm_start.fit_budget_warm_or_cold` applies ``method.auto_warm_max_steps``);
     the record names the reason of a cold start by its :data:`COLD_STARTS` code (``cold``)."""
     if r.warm_start != AUTO:
         if r.warm_start != "none" and removed is None:  # (prepare would fold nothing and say it had)
@@ -141,6 +155,8 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
     elif not method.auto_warm_start:
         cold, why = "method", (f"{method.name} is not measured to gain from it (recovery.warm_start: replaceme "
                                "starts it warm)")
+    elif (cap := method.auto_warm_max_steps) is not None and steps is not None and steps > cap:
+        cold, why = "steps", too_many_steps(method, steps)
     elif removed is None:
         cold, why = "width", "the closed forms replace removed blocks, not pruned widths"
     elif len(runs := contiguous_runs(removed)) > 1:
@@ -170,6 +186,12 @@ def resolve_warm_start(r, method: Method, model, removed: list[int] | None, prob
     record.update(preset=warm.preset, block1_init=block1, blocks=resolve_blocks(blocks, removed),
                   **({"layout_why": f"the layout configured: {unfit}"} if unfit else {}))
     return warm, record
+
+
+def too_many_steps(method: Method, steps: int) -> str:
+    """Why ``auto`` starts ``method`` cold at ``steps`` optimiser steps (past its ceiling)."""
+    return (f"{method.name} trains {steps} steps, past the {method.auto_warm_max_steps} up to which the map was "
+            "measured to pay it (recovery.warm_start: replaceme starts it warm)")
 
 
 def fits_warm_start(r, method: Method) -> bool:
