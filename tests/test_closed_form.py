@@ -411,7 +411,7 @@ def test_auto_warms_plain_and_streamline_under_their_ceilings_with_their_own_pre
     p = Pipeline(tiny_cfg(assets, tmp_path / "a", recovery__method=method, recovery__warm_start="auto",
                           recovery__steps=8, recovery__closed_rows=8, **FAST), progress=False)
     p.load(create_output=False)
-    assert p.metrics["warm_start"]["used"] == "replaceme" and p.rcfg.preset == preset
+    assert p.metrics["warm_start"]["used"] == "replaceme" and p.rcfg.preset_name == preset
     assert p.metrics["warm_start"].get("block1_init") is None  # OverRep's warm layout is OverRep's alone
 
 
