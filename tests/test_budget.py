@@ -103,6 +103,9 @@ def test_auto_warms_plain_only_up_to_its_step_ceiling(assets, tmp_path, monkeypa
     resumed = Pipeline(again, resume=True, progress=False).run()
     assert resumed["warm_start"]["used"] == "none" and resumed["warm_start"]["cold"] == "steps" and len(fits) == 1
     assert resumed["warm_start"]["why"].startswith("the run it resumes started cold: plain trains")
+    (tmp_path / "again" / "cold_start.json").write_text("{}")  # a damaged record: one clear line, not a KeyError
+    with pytest.raises(OverRepError, match=r"cold_start.json .*the run folder is damaged"):
+        Pipeline(again, resume=True, progress=False).run()
     named = Pipeline(cfg("named", recovery__steps=6, recovery__warm_start="replaceme"), progress=False).run()
     assert named["warm_start"]["used"] == "replaceme" and len(fits) == 2  # asked for by name: any step count
 

@@ -69,11 +69,13 @@ def resumes_cold(p) -> tuple[str, str] | None:
     if not (p.resume and auto_warm(p)):
         return None
     path = p.out / COLD_START_FILE
+    if not path.exists():
+        return None
     try:
-        saved = json.loads(path.read_text()) if path.exists() else None
-    except (OSError, ValueError) as e:
-        raise OverRepError(f"cannot read {path} ({e}): the run folder is damaged") from None
-    return None if saved is None else (saved["cold"], f"the run it resumes started cold: {saved['why']}")
+        saved = json.loads(path.read_text())
+        return saved["cold"], f"the run it resumes started cold: {saved['why']}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise OverRepError(f"cannot read {path} ({type(e).__name__}: {e}): the run folder is damaged") from None
 
 
 def fit_budget_warm_or_cold(p, fit: Callable[..., object], started: float, prepared: dict, deferred: bool):
