@@ -268,6 +268,10 @@ def test_variants_plans_and_closed_forms_in_one_grid(assets, tmp_path):
     assert main(["compare", "--config", config, "--budgets", "6s,0s", "--collect-only", "--quiet"]) == 0
     again = {(r["method"], r["budget"]) for r in json.loads((out / "results.json").read_text())["rows"]}
     assert again == set(rows)
+    for budgets in "6s,0s", "0s":  # a closed form's row once in the page, whatever budgets are named
+        assert main(["compare", "--config", config, "--budgets", budgets, "--collect-only", "--quiet"]) == 0
+        page = (out / "results.md").read_text()
+        assert page.count("| replaceme | 0 |") == 1 and page.count("no training (fit)") <= 1, budgets
     warm = yaml.safe_load((out / "cells" / rows[("overrep-warm", "6s")]["cell"].split("/")[-1] / "config.yaml")
                           .read_text())
     assert warm["recovery"]["warm_start"] == "replaceme" and warm["recovery"]["method"] == "overrep"

@@ -32,8 +32,9 @@ def _groups(results: dict) -> list[tuple[str, float, str, list[dict]]]:
             for budget in cfg["budgets"]:
                 sel = [r for r in rows if r["criterion"] == criterion and r["ratio"] == ratio
                        and r["budget"] == budget]
-                sel += [r for r in rows if r["criterion"] == criterion and r["ratio"] == ratio
-                        and r["budget"] == FREE_BUDGET]  # the closed forms: 0 s of training, in every table
+                if budget != FREE_BUDGET:  # the closed forms: 0 s of training, in every table (once)
+                    sel += [r for r in rows if r["criterion"] == criterion and r["ratio"] == ratio
+                            and r["budget"] == FREE_BUDGET]
                 if budget == "wallclock":
                     ref = [r for r in rows if r["criterion"] == criterion and r["ratio"] == ratio
                            and r["budget"] == "epochs" and r["method"] == cfg["reference"]]

@@ -94,8 +94,8 @@ def at_a_glance(results: dict) -> list[str]:
     of markdown, none for a grid of one entry."""
     cfg = results["config"]
     done = [r for r in results["rows"] if r.get("status") != "not run"]
-    columns = [b for b in cfg["budgets"] if any(r["budget"] == b for r in done)]
-    columns += [FREE_BUDGET] if any(r["budget"] == FREE_BUDGET for r in done) else []
+    columns = [b for b in cfg["budgets"] if b != FREE_BUDGET and any(r["budget"] == b for r in done)]
+    columns += [FREE_BUDGET] if any(r["budget"] == FREE_BUDGET for r in done) else []  # once, last
     order = {m: i for i, m in enumerate(cfg.get("methods") or [])}
     plans = sorted({(r["criterion"], r["ratio"]) for r in done},
                    key=lambda p: (cfg["criteria"].index(p[0]) if p[0] in cfg["criteria"] else len(cfg["criteria"]), p[1]))

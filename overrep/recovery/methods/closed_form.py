@@ -57,12 +57,12 @@ COLD_STARTS = {"budget": "too short for the warm start", "resumed": "too short f
 #: the most optimiser steps at which ``auto`` warms Plain and Streamline (``Method.auto_warm_max_steps``;
 #: OverRep has none: its map paid at every budget measured). Measured on the cosine mask at 25%, on
 #: validation, the steps the warm start trained (docs/closed-forms.md): the map paid Plain 13% at
-#: 186-207 steps (bf16, 5 minutes), 8% at 233-242 (fp32, 10 minutes) and 4% at 363 (fp32, 15
-#: minutes, seed 0), and cost it 6% at 426-472 (bf16, 10 minutes); it paid Streamline 11% at
-#: 215-224 (bf16, 5 minutes) and 15% at 251-261 (fp32, 10 minutes), was level on two seeds at
-#: 372-420 (fp32, 15 minutes: -4% and +9%, the start with more steps ahead on each) and cost it 5%
-#: at 479-490 (bf16, 10 minutes); three seeds, every seed, where not said. Near the ceiling the two
-#: starts are level, so an error in it costs little
+#: 186-207 steps (bf16, 5 minutes), 8% at 233-242 (fp32, 10 minutes) and 0.1-4% at 363-388 (fp32,
+#: 15 minutes), and cost it 6% at 426-472 (bf16, 10 minutes); it paid Streamline 11% at
+#: 215-224 (bf16, 5 minutes) and 15% at 251-261 (fp32, 10 minutes), cost it 3-4% on two seeds at
+#: 372-420 (fp32, 15 minutes) and 5% at 479-490 (bf16, 10 minutes); three seeds, every seed, where
+#: not said. Plain's crossover is near 400; Streamline's is lower (near 370), so this ceiling warms
+#: it a few dozen steps too far, where the loss is small
 AUTO_WARM_MAX_STEPS = 400
 #: the preset ``auto``'s warm start trains instead of the default ``hybrid``: the annealed activation
 #: loses the closed form's head start (2.5 min: validation 120 linear against 144 annealed,
