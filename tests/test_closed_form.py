@@ -17,7 +17,8 @@ from overrep.recovery.closed_form import (FitOptions, NormalEquations, _block_ou
                                           balance_sinks, fold_blocker, fold_map, token_weights)
 from overrep.recovery.compensation import fold_scale, hadamard, linear_patch, prunecomp, tune_patches
 from overrep.recovery.methods import build_recovery, get_method
-from overrep.recovery.methods.closed_form import AUTO_WARM_MAX_STEPS, STREAMLINE_AUTO_WARM_MAX_STEPS, fit_options
+from overrep.recovery.methods.closed_form import (PLAIN_AUTO_WARM_MAX_STEPS, STREAMLINE_AUTO_WARM_MAX_STEPS,
+                                                  fit_options)
 
 from tiny import tiny_cfg, tiny_config, tiny_ids, tiny_model
 
@@ -431,7 +432,7 @@ def test_an_explicit_warm_start_warms_plain_and_keeps_its_preset(assets, tmp_pat
     (dict(recovery__method="streamline", recovery__steps=STREAMLINE_AUTO_WARM_MAX_STEPS + 1),
      f"past the {STREAMLINE_AUTO_WARM_MAX_STEPS} up to which"),
     (dict(recovery__method="plain", recovery__epochs=1000, recovery__steps=None, recovery__time_budget=None),
-     f"past the {AUTO_WARM_MAX_STEPS}"),
+     f"past the {PLAIN_AUTO_WARM_MAX_STEPS}"),
     (dict(recovery__method="lora"), "not measured to gain"),  # an explicit warm_start warms it (below)
     (dict(prune__remove="0-1"), "block 0"),
     (dict(prune__granularity="width", prune__remove=None, prune__ratio=0.25), "widths"),

@@ -49,8 +49,8 @@ from ..losses import LossOptions
 from ..teacher import MethodInputs
 from .adapters import AdaLoraRun, AdapterRun, IsoLoraRun, LoraOptions, iso_rank, lora_params_per_rank, projection_names
 from .base import Method, MethodRun
-from .closed_form import (AUTO_WARM_MAX_STEPS, STREAMLINE_AUTO_WARM_MAX_STEPS, ClosedFormOptions, ClosedFormRun,
-                          fits_warm_start, prepare as prepare_closed_form, resolve_warm_start, too_many_steps)
+from .closed_form import (PLAIN_AUTO_WARM_MAX_STEPS, STREAMLINE_AUTO_WARM_MAX_STEPS, ClosedFormOptions,
+                          ClosedFormRun, fits_warm_start, prepare as prepare_closed_form, resolve_warm_start, too_many_steps)
 from .layerwise import LayerwiseRun
 from .patch import PatchOptions, PatchRun
 from .rankadaptor import RankAdaptorOptions, RankAdaptorRun
@@ -68,7 +68,7 @@ for _m in [
     Method("overrep", "OverRep: overcomplete recovery blocks, layer-wise loss (recovery.loss), folded back exactly",
            **_LAYERWISE, width_lr=1e-4, auto_warm_start=True),
     Method("plain", "the same recovery blocks and layer-wise loss without W, D or annealing", **_LAYERWISE,
-           preset="plain", auto_warm_start=True, auto_warm_max_steps=AUTO_WARM_MAX_STEPS),
+           preset="plain", auto_warm_start=True, auto_warm_max_steps=PLAIN_AUTO_WARM_MAX_STEPS),
     Method("streamline", "Streamline: one block (all weights) trained to replace the removed run", **_LAYERWISE,
            preset="plain-full", blocks=1, block_removal_only="it replaces a removed run of blocks",
            auto_warm_start=True, auto_warm_max_steps=STREAMLINE_AUTO_WARM_MAX_STEPS),

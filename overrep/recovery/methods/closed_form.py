@@ -18,7 +18,7 @@ function the features describe).
 
 ``recovery.warm_start: auto`` warm-starts where it is measured to help and the fit applies
 (:func:`resolve_warm_start`): a method whose entry says ``auto_warm_start`` (OverRep at any step
-count; Plain up to :data:`AUTO_WARM_MAX_STEPS` steps and Streamline up to
+count; Plain up to :data:`PLAIN_AUTO_WARM_MAX_STEPS` steps and Streamline up to
 :data:`STREAMLINE_AUTO_WARM_MAX_STEPS`, where the map was measured to
 pay them: docs/closed-forms.md), block pruning, a mask of
 one removed run (several runs measured worse warm: docs/results-log.md), and every removed run
@@ -65,7 +65,7 @@ COLD_STARTS = {"budget": "too short for the warm start", "resumed": "too short f
 #: not said. Plain's crossover is near 400; Streamline's is lower, near 370 between its gain at 261
 #: steps and its loss at 372, so its ceiling sits below that. Near a crossover the two starts are
 #: level, so an error in a ceiling costs little
-AUTO_WARM_MAX_STEPS = 400
+PLAIN_AUTO_WARM_MAX_STEPS = 400
 STREAMLINE_AUTO_WARM_MAX_STEPS = 350
 #: the preset ``auto``'s warm start trains instead of the default ``hybrid``: the annealed activation
 #: loses the closed form's head start (2.5 min: validation 120 linear against 144 annealed,
