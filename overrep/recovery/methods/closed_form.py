@@ -60,10 +60,11 @@ COLD_STARTS = {"budget": "too short for the warm start", "resumed": "too short f
 #: validation, the steps the warm start trained (docs/closed-forms.md): the map paid Plain 13% at
 #: 186-207 steps (bf16, 5 minutes), 8% at 233-242 (fp32, 10 minutes) and 0.1-4% at 363-388 (fp32,
 #: 15 minutes), and cost it 6% at 426-472 (bf16, 10 minutes); it paid Streamline 11% at
-#: 215-224 (bf16, 5 minutes) and 15% at 251-261 (fp32, 10 minutes), cost it 3-4% on two seeds at
-#: 372-420 (fp32, 15 minutes) and 5% at 479-490 (bf16, 10 minutes); three seeds, every seed, where
-#: not said. Plain's crossover is near 400; Streamline's is lower, near 370 between its gain at 261
-#: steps and its loss at 372, so its ceiling sits below that. Near a crossover the two starts are
+#: 215-224 (bf16, 5 minutes), 15% at 251-261 (fp32, 10 minutes) and 10% at 318 (fp32, 12.5
+#: minutes, one seed), was level with the cold start over three seeds at 367-420 (fp32, 15 minutes:
+#: 3-4% worse on two, 0.8% better on one) and cost it 5% at 479-490 (bf16, 10 minutes); three
+#: seeds, every seed, where not said. Plain's crossover is near 400; Streamline's is lower, near
+#: 370 between its gain at 318 steps and its loss at 372, so its ceiling sits below that. Near a crossover the two starts are
 #: level, so an error in a ceiling costs little
 PLAIN_AUTO_WARM_MAX_STEPS = 400
 STREAMLINE_AUTO_WARM_MAX_STEPS = 350
