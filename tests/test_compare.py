@@ -272,6 +272,7 @@ def test_variants_plans_and_closed_forms_in_one_grid(assets, tmp_path):
         assert main(["compare", "--config", config, "--budgets", budgets, "--collect-only", "--quiet"]) == 0
         page = (out / "results.md").read_text()
         assert page.count("| replaceme | 0 |") == 1 and page.count("no training (fit)") <= 1, budgets
+        assert ("budget 0s" in page) == (budgets == "0s"), budgets  # no empty 0s section beside a trained budget
     warm = yaml.safe_load((out / "cells" / rows[("overrep-warm", "6s")]["cell"].split("/")[-1] / "config.yaml")
                           .read_text())
     assert warm["recovery"]["warm_start"] == "replaceme" and warm["recovery"]["method"] == "overrep"

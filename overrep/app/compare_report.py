@@ -204,6 +204,8 @@ def markdown(results: dict) -> str:
         if (criterion, ratio, budget) in idle:
             # nothing trained at this budget yet: one line, not the plan's closed forms once more
             waiting = sorted({r["method"] for r in rows if r.get("status") == "not run"})
+            if not waiting:  # the closed forms' own budget (0s) beside trained ones: nothing of its own to say
+                continue
             lines += [f"## {criterion}, ratio {ratio:g}, {what}", "",
                       f"Not run yet: {', '.join(waiting)} (every seed); the closed forms are in this plan's "
                       "other tables.", ""]
