@@ -64,8 +64,8 @@ COLD_STARTS = {"budget": "too short for the warm start", "resumed": "too short f
 #: minutes, one seed), was level with the cold start over three seeds at 367-420 (fp32, 15 minutes:
 #: 3-4% worse on two, 0.8% better on one) and cost it 5% at 479-490 (bf16, 10 minutes); three
 #: seeds, every seed, where not said. Plain's crossover is near 400; Streamline's is lower, near
-#: 370 between its gain at 318 steps and its loss at 372, so its ceiling sits below that. Near a crossover the two starts are
-#: level, so an error in a ceiling costs little
+#: 370 (its gain at 318 steps, level on average at 367-420), so its ceiling sits below that. Near
+#: a crossover the two starts are level, so an error in a ceiling costs little
 PLAIN_AUTO_WARM_MAX_STEPS = 400
 STREAMLINE_AUTO_WARM_MAX_STEPS = 350
 #: the preset ``auto``'s warm start trains instead of the default ``hybrid``: the annealed activation
