@@ -57,10 +57,10 @@ COLD_STARTS = {"budget": "too short for the warm start", "resumed": "too short f
                "no-map": "the map does not apply", "steps": "past the steps where the map pays"}
 #: the most optimiser steps at which ``auto`` warms Plain and Streamline (``Method.auto_warm_max_steps``;
 #: OverRep has none: on one-run masks its map paid at every step count measured, by less with
-#: more steps, never worse: 2.5% on validation on the paper's mask at 1,671-2,411 steps, three seeds,
-#: on the family 6 model 167 Xeon at 10 minutes, docs/results-log.md; level at 3,000 on one H100).
-#: Measured on the cosine mask at 25%, on
-#: validation, the steps the warm start trained (docs/closed-forms.md): the map paid Plain 13% at
+#: more steps, never worse: 2.5% on validation on the paper's mask at 1,671-2,411 steps, three
+#: seeds, on the family 6 model 167 Xeon at 10 minutes, docs/results-log.md; level at 3,000 steps
+#: on one H100). Measured on the cosine mask at 25%, on validation, the steps the warm start
+#: trained (docs/closed-forms.md): the map paid Plain 13% at
 #: 186-207 steps (bf16, 5 minutes), 8% at 233-242 (fp32, 10 minutes) and 0.1-4% at 363-388 (fp32,
 #: 15 minutes), and cost it 6% at 426-472 (bf16, 10 minutes); it paid Streamline 11% at
 #: 215-224 (bf16, 5 minutes), 15% at 251-261 (fp32, 10 minutes) and 10% at 318 (fp32, 12.5
