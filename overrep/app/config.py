@@ -83,6 +83,7 @@ class EvalConfig:
     generation_prompts: int = 16  # generation check: test-document starts continued greedily for distinct-n
     generation_tokens: int = 32  # generation check: tokens generated per prompt
     precision: str = "auto"  # forward of every perplexity and generation-check figure (logits and sums in fp32 either way): "bf16" (autocast) | "fp32" | "auto" (bf16 where the device computes it natively, else fp32); bf16 scoring measured 1.6x faster with figures within 0.2% of fp32 (docs/evaluation.md)
+    dense_reference: bool = True  # the dense model's figures from the package's entry where the run's cache has none (the embedded default model and data, each precision; its first 12 test rows scored here and compared, else every row is: docs/evaluation.md); false: scored here
     unrecovered: str = "auto"  # the pruned model without recovery: "test" scores its test and validation rows (not the unseen corpora nor the generation check) | "validation": its validation rows only, which the report's recovery check reads | "auto": "test" unless recovery.run_limit would then cut the time budget, else "validation" (read back as "test" where cached; on a first run on a 2-core AVX2 CPU the test rows cost 100 s of training) | "all": also the unseen corpora and the generation check
     benchmarks: str | None = None  # lm-eval suites/tasks for dense, pruned and recovered models, e.g. "reasoning" or "arc_easy,piqa" (off by default: minutes per model)
     benchmark_limit: int | None = 200  # documents per benchmark (None: all)

@@ -200,6 +200,15 @@ def _unrecovered_lines(rows: dict | None) -> list[str]:
     return [f"The pruned model without recovery was scored on the validation rows only: {rows['why']}.", ""]
 
 
+def _dense_source_lines(ref: dict | None) -> list[str]:
+    """Where the dense figures came from, where not from scoring every row in this run or its cache."""
+    if not ref:
+        return []
+    return [f"The dense model's figures are the package's, written on {ref['machine']} ({ref['precision']}, torch "
+            f"{ref['torch']}, {ref['written']}); this machine scored {ref['checked_rows']} of the test rows and "
+            f"matched them within {ref['gap_nats']:.1e} nats a token (`eval.dense_reference`).", ""]
+
+
 def _check_lines(check: dict | None) -> list[str]:
     if not check or not check.get("worse_than_unrecovered"):
         return []
@@ -247,7 +256,8 @@ def write_report(out: Path, m: dict, history: list[dict], cfg) -> Path:
           f"{format_interval(_fig(m, tag, 'test_vs_dense', 'ratio'), 3)} "
           f"| {_fmt(c)} | {l} | {_fmt(None if t is None else 1000 * t, 3)} |"
           for (n, p, c, l, t), tag in zip(rows, ("dense", "pruned", "recovered"))],
-        "", *_unrecovered_lines(m.get("unrecovered_rows")), *_check_lines(m.get("recovery_check")),
+        "", *_dense_source_lines(m.get("dense_reference")), *_unrecovered_lines(m.get("unrecovered_rows")),
+        *_check_lines(m.get("recovery_check")),
         f"Test text: {cfg.data.heldout_sequences} sequences of {cfg.data.seq_len} tokens from `{cfg.data.source}` "
         f"({_fmt((m.get('data') or {}).get('test_tokens'))} tokens); validation: {cfg.data.validation_sequences} "
         "sequences; train, validation and test share no document, and nothing that trains or chooses reads "

@@ -14,6 +14,7 @@ import time
 
 from ..core.precision import resolve_precision
 from ..eval.figures import figures_path, model_benchmarks, model_figures
+from ..eval import reference
 from ..eval.measure import generation_latency
 from ..eval.retained import retained_performance
 from ..model import onload
@@ -59,8 +60,12 @@ def score_model(p, model, tag: str) -> None:
         data = unrecovered_data(p, model, precision) if tag == "pruned" else p.eval_data
         found, scores = model_figures(model, p.tokenizer, data, tag=tag, progress=p.progress,
                                       source=p.model_info["source"], mask=mask, root=root, dense=p.dense_scores,
-                                      precision=precision, prefix=p.shared_prefix)  # raises on a non-finite perplexity
+                                      precision=precision, prefix=p.shared_prefix,  # raises on a non-finite perplexity
+                                      shipped=(lambda: reference.shipped_scores(model, data, p.model_info, precision))
+                                      if tag == "dense" and ev.dense_reference else None)
         p.metrics.update(found)
+        if tag == "dense":
+            p.metrics["dense_reference"] = reference.describe(scores)
         p.dense_scores = scores if tag == "dense" else p.dense_scores
         cost = scores.get("seconds")  # None: cached before that was recorded
         p.eval_rows_cost[tag] = scores.get("seconds_rows")

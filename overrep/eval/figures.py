@@ -22,6 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -114,7 +115,8 @@ def _score(model, tokenizer, data: EvalData, desc: str, progress: bool, prefix: 
 
 def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, mask: dict | None,
                   root: Path | None, dense: dict | None = None, progress: bool = False,
-                  precision: str = "fp32", prefix: SharedPrefix | None = None) -> tuple[dict, dict]:
+                  precision: str = "fp32", prefix: SharedPrefix | None = None,
+                  shipped: Callable[[], dict | None] | None = None) -> tuple[dict, dict]:
     """``(metrics entries, scores)`` of one model; scores are read from / written to ``root``
     (``None``: never cached, e.g. a recovered model) keyed by model, mask, data, precision and
     protocol. Models paired with ``dense`` should be scored in the dense scores' precision.
@@ -127,15 +129,21 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     the paired ratio per test domain and unseen corpus) and ``{tag}_generation``. Scores carry
     ``seconds``, what computing them cost, and ``seconds_rows``, the part spent on the
     perplexity rows, which a model sharing the first blocks scores from them (both read back
-    with a cached entry; absent from entries older than those fields).
+    with a cached entry; absent from entries older than those fields). ``shipped``: where
+    ``root`` has no entry, what gives the scores without scoring every row, or None (the
+    package's entry checked on a few rows, :func:`overrep.eval.reference.shipped_scores`),
+    called before any row is scored; such scores carry ``reference``.
     """
     def compute() -> dict:
+        if shipped is not None and (got := shipped()) is not None:
+            return got
         t0 = time.perf_counter()
         scores = score(model, tokenizer, data, desc=tag, progress=progress, precision=precision, prefix=prefix)
         scores["seconds"] = time.perf_counter() - t0  # what scoring cost, kept with a cached entry
         return scores
 
-    if root is None:
+    if root is None:  # (nothing shipped is read for a model never cached)
+        shipped = None
         scores = compute()
     else:
         path = figures_path(model, data, tag=tag, source=source, mask=mask, root=root, precision=precision)

@@ -75,6 +75,13 @@ class SharedPrefix:
         """Whether ``model`` has the reference's embeddings and blocks before ``start``."""
         return type(model).__name__ not in self.refused and same_prefix(model, self.reference, self.start)
 
+    def holds(self, ids: torch.Tensor) -> bool:
+        """Whether the states of the rows ``ids`` are kept (in any precision): a later model
+        that shares the prefix then scores them from block ``start``. They are not where no
+        model was scored whole on them yet (the dense figures read back from a cache)."""
+        return any(rows.shape[1] == ids.shape[1] and rows.shape[0] >= ids.shape[0]
+                   and torch.equal(rows[:ids.shape[0]], ids.cpu()) for rows, _ in self.states.values())
+
     def scorer(self, model: nn.Module, ids: torch.Tensor) -> "WholeScorer":
         """What computes ``model``'s logits batch by batch on the rows ``ids`` (see the module
         docstring): rows kept before, or their first rows (a validation timed on a sample),

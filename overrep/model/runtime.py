@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import resource
 
 import torch
@@ -12,14 +13,19 @@ from ..memo import digest  # (the runtime's fingerprints and the caches share on
 from .placement import named_tensors
 
 
-def model_fingerprint(model, source: str) -> str:
-    """Source, config and a sample of every weight tensor: cheap, and changes with the weights."""
+def model_fingerprint(model, source: str, portable: bool = False) -> str:
+    """Source, config and a sample of every weight tensor: cheap, and changes with the weights.
+    ``portable``: without the folder the config was read from (``_name_or_path``), the same
+    in every installation (the package's shipped figures, :mod:`overrep.eval.reference`)."""
     from .onload import checkpoint_fingerprint, is_onloaded
 
     if is_onloaded(model):  # its blocks' weights are on disk: sampled there
         return checkpoint_fingerprint(model, source)
     h = hashlib.sha256(source.encode())
-    h.update(model.config.to_json_string(use_diff=False).encode())
+    config = model.config.to_json_string(use_diff=False)
+    if portable:
+        config = json.dumps({k: v for k, v in json.loads(config).items() if k != "_name_or_path"}, sort_keys=True)
+    h.update(config.encode())
     for name, p in named_tensors(model):  # (a model placed by accelerate: offloaded weights read module by module)
         h.update(name.encode())
         h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
