@@ -52,7 +52,7 @@ bench: $(STAMP)
 # eval.dense_reference after a check on each machine): rerun when the default's model, data or
 # evaluation protocol changes (tests/test_dense_reference.py says when); bf16 on a CPU that has it
 reference: $(STAMP)
-	$(BIN)/python -m overrep.app.dense_reference $(ARGS)
+	for precision in fp32 bf16; do $(BIN)/python -m overrep.app.dense_reference --precision $$precision $(ARGS) || exit 1; done
 
 compare: $(STAMP)
 	$(BIN)/overrep compare --config examples/compare/methods.yaml $(ARGS)
