@@ -172,9 +172,10 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
 
 
 def figures_path(model, data: EvalData, *, tag: str, source: str, mask: dict | None, root: Path,
-                 precision: str = "fp32") -> Path:
-    """Where :func:`model_figures` caches ``model``'s scores on ``data`` under ``root``."""
-    key = {"model": model_fingerprint(model, source), "mask": mask, "dtype": str(model.dtype),
+                 precision: str = "fp32", portable: bool = False) -> Path:
+    """Where :func:`model_figures` caches ``model``'s scores on ``data`` under ``root``
+    (``portable``: the model keyed without the folder it was loaded from, :func:`model_fingerprint`)."""
+    key = {"model": model_fingerprint(model, source, portable), "mask": mask, "dtype": str(model.dtype),
            "precision": precision, "data": data.fingerprint(), "protocol": PROTOCOL, "resamples": RESAMPLES}
     return Path(root) / "eval" / f"{tag}-{digest(key)}.pt"
 

@@ -32,12 +32,9 @@ import torch
 
 from ..atomic import save_torch
 from ..core.precision import autocast
-from ..memo import digest
 from ..model.perplexity import row_token_nll
 from ..model.placement import input_device
-from ..model.runtime import model_fingerprint
-from .figures import PROTOCOL, EvalData, model_figures
-from .intervals import RESAMPLES
+from .figures import EvalData, figures_path, model_figures
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +65,8 @@ def entry_name(model, data, source: str, precision: str) -> str:
     ``data``: the key of the run's cache (:func:`~overrep.eval.figures.figures_path`) with the
     model's fingerprint taken without the folder it was loaded from (its config's
     ``_name_or_path``), so that every installation finds the same entry."""
-    key = {"model": model_fingerprint(model, source, portable=True), "dtype": str(model.dtype),
-           "precision": precision, "data": data.fingerprint(), "protocol": PROTOCOL, "resamples": RESAMPLES}
-    return f"dense-{digest(key)}.pt"
+    return figures_path(model, data, tag="dense", source=source, mask=False, root=REFERENCE_DIR, precision=precision,
+                        portable=True).name
 
 
 def check_rows(model, test: torch.Tensor, precision: str) -> dict:

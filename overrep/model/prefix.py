@@ -79,8 +79,16 @@ class SharedPrefix:
         """Whether the states of the rows ``ids`` are kept (in any precision): a later model
         that shares the prefix then scores them from block ``start``. They are not where no
         model was scored whole on them yet (the dense figures read back from a cache)."""
-        return any(rows.shape[1] == ids.shape[1] and rows.shape[0] >= ids.shape[0]
-                   and torch.equal(rows[:ids.shape[0]], ids.cpu()) for rows, _ in self.states.values())
+        return self._kept(ids) is not None
+
+    def _kept(self, ids: torch.Tensor, mode: str | None = None) -> torch.Tensor | None:
+        """The kept states of the rows ``ids`` (those of their first rows: a sample), under the
+        autocast ``mode`` (None: any), or None."""
+        for key, (rows, states) in self.states.items():
+            if (mode is None or key.endswith(mode)) and rows.shape[1] == ids.shape[1] \
+                    and rows.shape[0] >= ids.shape[0] and torch.equal(rows[:ids.shape[0]], ids.cpu()):
+                return states[:ids.shape[0]]
+        return None
 
     def scorer(self, model: nn.Module, ids: torch.Tensor) -> "WholeScorer":
         """What computes ``model``'s logits batch by batch on the rows ``ids`` (see the module
@@ -89,10 +97,8 @@ class SharedPrefix:
         if not self.shares(model):
             return WholeScorer(model)
         mode = _autocast_mode(input_device(model))
-        for key, (rows, states) in self.states.items():
-            if key.endswith(mode) and rows.shape[1] == ids.shape[1] and rows.shape[0] >= ids.shape[0] \
-                    and torch.equal(rows[:ids.shape[0]], ids.cpu()):
-                return _TailScorer(model, self, states[:ids.shape[0]])
+        if (states := self._kept(ids, mode)) is not None:
+            return _TailScorer(model, self, states)
         if ids.numel() * model.get_input_embeddings().embedding_dim * 4 > MAX_STATE_BYTES:
             return WholeScorer(model)
         return _CapturingScorer(model, self, f"{tensor_digest(ids)}-{mode}", ids, self.start)
