@@ -65,7 +65,7 @@ def test_an_entry_whose_rows_score_differently_here_is_set_aside(assets, tmp_pat
 def test_the_prediction_of_the_final_evaluation_knows_no_model_was_scored_whole(assets, tmp_path, shipped):
     """With the dense figures read, no hidden states of the test rows are kept: a later model
     runs them whole, and the whole-run limit predicts that cost."""
-    from overrep.app.budgeting import shared_start
+    from overrep.app.budgeting import row_sets
 
     for name, reads in (("read", True), ("measured", False)):
         p = Pipeline(tiny_cfg(assets, tmp_path / name, eval__latency=False, eval__dense_reference=reads,
@@ -73,7 +73,7 @@ def test_the_prediction_of_the_final_evaluation_knows_no_model_was_scored_whole(
         p.prepare(evaluate=("dense",), recovery=False, create_output=False)
         assert (p.metrics["dense_reference"] is not None) == reads
         assert p.shared_prefix.start > 0 and p.shared_prefix.holds(p.eval_data.test) != reads
-        assert shared_start(p) == (0 if reads else p.shared_prefix.start)
+        assert {start for _, start in row_sets(p, p.pruned, p.eval_data)} == {0 if reads else p.shared_prefix.start}
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from overrep.app.budgeting import RUN_LIMIT_RESERVE, cut_to_run_limit, per_token_macs, predict_final_eval
+from overrep.app.budgeting import RUN_LIMIT_RESERVE, cut_to_run_limit, measured_pace, per_token_macs, predict_final_eval
 from overrep.app.pipeline import Pipeline
 from overrep.errors import OverRepError
 
@@ -47,12 +47,16 @@ def test_a_run_under_a_limit_records_it_and_predicts_its_final_evaluation(assets
     assert 0 < limit["elapsed_before_recovery"] < 3600
     assert limit["predicted_final_eval_seconds"] == pytest.approx(predict_final_eval(first), abs=0.01)
     assert 0 < first.eval_rows_cost["dense"] < first.eval_cost["dense"]
+    # the unrecovered model's rows, scored in this run, timed the machine now and scaled the prediction
+    assert limit["final_eval_pace"] == pytest.approx(measured_pace(first), abs=1e-3) and limit["final_eval_pace"] > 0
     # a second run reads the dense figures from the cache, with what computing them cost then
     again = Pipeline(tiny_cfg(assets, tmp_path / "b", **kw), progress=False)
-    again.run()
+    m_again = again.run()
     computed = first.dense_scores["seconds"]
     assert again.dense_scores["seconds"] == computed > 0
     assert again.eval_cost["dense"] >= computed  # the cached scoring's cost, plus what ran anew (latency)
+    # ... and the unrecovered figures too: nothing of this run timed the machine, nothing scales
+    assert "pruned" not in again.eval_rows_timed and "final_eval_pace" not in m_again["time_budget"]["run_limit"]
 
 
 def test_a_cut_budget_is_the_budget_the_run_trains_to_and_reports(assets, tmp_path, monkeypatch):
@@ -82,25 +86,43 @@ def test_a_cut_budget_is_the_budget_the_run_trains_to_and_reports(assets, tmp_pa
 
 def test_the_final_evaluation_is_predicted_from_the_dense_one_by_macs():
     """The perplexity rows scale by the compact model's blocks after the shared prefix and its
-    head, the rest (generation check, latency) by the whole compact model."""
+    head where a model of the run kept a set's states, by the whole compact model where none
+    did; the rest (generation check, latency) by the whole compact model; and all of it by the
+    pace the unrecovered model's own rows measured in this run."""
     from types import SimpleNamespace
 
+    import torch
+
+    from overrep.eval.figures import EvalData
     from overrep.model.surgery import plan_pruning, prune
     from tiny import tiny_model
 
     dense = tiny_model("llama")
     pruned = prune(tiny_model("llama"), plan_pruning(6, [3, 4], blocks=1))
-    kept = {"test rows": True}  # whether a model was scored whole on the test rows in this run
-    p = SimpleNamespace(eval_cost={"dense": 100.0}, eval_rows_cost={"dense": 80.0}, dense=dense, pruned=pruned,
-                        cfg=SimpleNamespace(data=SimpleNamespace(seq_len=32)), eval_data=SimpleNamespace(test=None),
-                        shared_prefix=SimpleNamespace(start=2, holds=lambda ids: kept["test rows"]))
+    rows, unseen = torch.zeros(4, 32, dtype=torch.long), torch.ones(4, 32, dtype=torch.long)
+    kept = {"test": True, "unseen": True}  # whether a model was scored whole on those rows in this run
+    p = SimpleNamespace(eval_cost={"dense": 100.0}, eval_rows_cost={"dense": 80.0}, eval_rows_timed={}, dense=dense,
+                        pruned=pruned, cfg=SimpleNamespace(data=SimpleNamespace(seq_len=32)),
+                        eval_data=EvalData(rows, rows[:, 0], rows, rows[:, 0], unseen={"sciq": (unseen, rows[:, 0])}),
+                        shared_prefix=SimpleNamespace(start=2, shares=lambda m: True,
+                                                      holds=lambda ids: kept["unseen" if ids is unseen else "test"]))
     whole = per_token_macs(dense, 32)
     tail, compact = per_token_macs(pruned, 32, 2) / whole, per_token_macs(pruned, 32) / whole
     assert 0 < tail < compact < 1
     assert predict_final_eval(p) == pytest.approx(80 * tail + 20 * compact)
-    kept["test rows"] = False  # the dense figures read back (a cache, the package's entry): the rows run whole
+    kept.update(test=False, unseen=False)  # the dense figures read back (a cache, the package's entry): all run whole
     assert predict_final_eval(p) == pytest.approx(100 * compact)
-    kept["test rows"] = True
+    kept["test"] = True  # the unrecovered model kept the test and validation rows' states, not the unseen corpus's
+    assert predict_final_eval(p) == pytest.approx(80 * (2 / 3 * tail + 1 / 3 * compact) + 20 * compact)
+    # the unrecovered model's rows timed in this run at 1.5x what the dense rows' cost per token
+    # (80 s for 384 tokens) priced them at: the whole prediction scales by that pace
+    assert measured_pace(p) is None
+    p.eval_rows_timed["pruned"] = (1.5 * 80 / 384 * tail * 128, [(128, 2)])  # (seconds, [(tokens, from block 2)])
+    assert measured_pace(p) == pytest.approx(1.5)
+    p.eval_rows_timed["pruned"] = (1.5 * 80 / 384 * compact * 256, [(128, 0), (128, 0)])  # rows it ran whole
+    assert measured_pace(p) == pytest.approx(1.5)
+    assert predict_final_eval(p) == pytest.approx(1.5 * (80 * (2 / 3 * tail + 1 / 3 * compact) + 20 * compact))
+    del p.eval_rows_timed["pruned"]
     p.eval_cost["dense"] = None  # cached before its cost was kept: unknown
     assert predict_final_eval(p) is None
 
@@ -113,14 +135,16 @@ def _limited(p, *, limit="20m", budget="12m", elapsed=100.0, dense_rows=90.0, fi
 
     import torch
 
+    from overrep.eval.figures import EvalData
     from overrep.model.surgery import plan_pruning, prune
     from tiny import tiny_model
 
     rows = torch.zeros(4, 32, dtype=torch.long)
     p.update(dense=tiny_model("llama"), pruned=prune(tiny_model("llama"), plan_pruning(6, [3, 4], blocks=1)),
              eval_rows_cost={"dense": dense_rows}, eval_cost={"dense": None if dense_rows is None else dense_rows + final},
-             eval_data=SimpleNamespace(test=rows, validation=rows, unseen={"sciq": (rows, rows)}),
-             shared_prefix=SimpleNamespace(start=3, holds=lambda ids: True), run_started=time.perf_counter() - elapsed,
+             eval_rows_timed={}, eval_data=EvalData(rows, rows[:, 0], rows, rows[:, 0], unseen={"sciq": (rows, rows)}),
+             shared_prefix=SimpleNamespace(start=3, holds=lambda ids: True, shares=lambda m: True),
+             run_started=time.perf_counter() - elapsed,
              cfg=SimpleNamespace(data=SimpleNamespace(seq_len=32), recovery=SimpleNamespace(
                  resolved_run_limit=limit, time_budget=budget)), budgeted=steps is None)
     return SimpleNamespace(**p)

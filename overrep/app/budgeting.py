@@ -115,47 +115,74 @@ def per_token_macs(model, seq_len: int, start: int = 0) -> int:
         head.weight.numel() if head is not None else 0)
 
 
-def shared_start(p) -> int:
-    """The block from which pipeline ``p``'s later models score the test rows (0: whole): the
-    shared prefix's, where a model was scored whole on them in this run (the dense figures read
-    back from a cache or the package's entry leave the pruned or recovered model to run them whole)."""
+def row_sets(p, model, data) -> list[tuple[int, int]]:
+    """``(tokens, block)`` of each set of ``data``'s perplexity rows (test, validation, each
+    unseen corpus; an :class:`~overrep.eval.figures.EvalData`): the block from which ``model``
+    scores it if scored now, the shared prefix's where it shares those blocks and a model scored
+    whole on the set kept its states in this run, else 0 (whole). The dense figures read back
+    (a cache, the package's entry) keep none, so the first later model runs every set whole; the
+    unrecovered model keeps those it scores, so the recovered one runs the unseen corpora whole."""
     prefix = p.shared_prefix
-    return prefix.start if prefix is not None and prefix.holds(p.eval_data.test) else 0
+    shares = prefix is not None and prefix.start > 0 and prefix.shares(model)
+    sets = [data.test, data.validation, *(rows for rows, _ in data.unseen.values())]
+    return [(rows.numel(), prefix.start if shares and prefix.holds(rows) else 0) for rows in sets if rows.numel()]
+
+
+def _rows_seconds(p, sets: list[tuple[int, int]]) -> float | None:
+    """Seconds the compact model should take on the row ``sets`` (:func:`row_sets`): the dense
+    rows' seconds per token, scaled by the MACs per token of the compact model's blocks from
+    each set's block on and its head against the dense model's (None: the dense rows' cost is unknown)."""
+    dense_rows, tokens = p.eval_rows_cost.get("dense"), p.eval_data.rows_tokens()
+    if not dense_rows or not tokens:
+        return None
+    seq_len = p.cfg.data.seq_len
+    whole = per_token_macs(p.dense, seq_len)
+    return dense_rows / tokens * sum(n * per_token_macs(p.pruned, seq_len, start) / whole for n, start in sets)
 
 
 def predict_final_eval(p) -> float | None:
     """Seconds pipeline ``p``'s final evaluation (the recovered model, the compact
     architecture of ``p.pruned``) should take, from what the dense model's took, scaled by
     their MACs per token: the perplexity rows (``eval_rows_cost``) by those of the compact
-    model's blocks after the shared prefix and its head, which is all a model sharing the
-    first blocks runs on them (:mod:`overrep.model.prefix`), the rest (the generation check,
-    the latency) by the whole compact model's. On the 2-core AVX2 EPYC (1311e80's `make run`)
-    the dense figures took 265 s and this predicted 141 s for 158 s taken; scaling the whole by
-    the parameters kept (0.71), as before, had predicted 210 s for 160 s (db90953's run).
-    :data:`RUN_LIMIT_RESERVE` covers the difference. None where the dense cost is unknown."""
+    model's blocks after the shared prefix, where a model of the run kept a set's states, and
+    its head, which is all a model sharing the first blocks runs on them (:func:`row_sets`,
+    :mod:`overrep.model.prefix`), the rest (the generation check, the latency) by the whole
+    compact model's. On the 2-core AVX2 EPYC (1311e80's `make run`) the dense figures took 265 s
+    and this predicted 141 s for 158 s taken; scaling the whole by the parameters kept (0.71), as
+    before, had predicted 210 s for 160 s (db90953's run). :data:`RUN_LIMIT_RESERVE` covers the
+    difference. Where this run timed the unrecovered model's rows, the whole is scaled by
+    :func:`measured_pace`. None where the dense cost is unknown."""
     dense = p.eval_cost.get("dense", 0.0)  # (not scored at all: nothing to predict from, 0)
     if dense is None:  # cached before its cost was recorded
         return None
-    seq_len, start = p.cfg.data.seq_len, shared_start(p)
-    whole = per_token_macs(p.dense, seq_len)
-    compact = per_token_macs(p.pruned, seq_len) / whole
-    rows = min(p.eval_rows_cost.get("dense") or 0.0, dense)
-    tail = per_token_macs(p.pruned, seq_len, start) / whole if start else compact
-    return rows * tail + (dense - rows) * compact
+    seq_len = p.cfg.data.seq_len
+    compact = per_token_macs(p.pruned, seq_len) / per_token_macs(p.dense, seq_len)
+    rows = p.eval_rows_cost.get("dense") or 0.0
+    rows_part = _rows_seconds(p, row_sets(p, p.pruned, p.eval_data)) if rows else 0.0
+    return (rows_part + (dense - rows) * compact) * (measured_pace(p) or 1.0)
+
+
+def measured_pace(p) -> float | None:
+    """What the unrecovered model's perplexity rows took in this run over what
+    :func:`_rows_seconds` priced them at (None: not scored here, read back from a cache, or
+    nothing to price them from): the machine's pace now, measured on the compact architecture
+    the final evaluation runs, on 32 to 224 rows, where the dense figures' cost is another
+    hour's (a cache) or another machine's scaled by the fastest of three batches of four rows
+    (the package's entry: 0.89x and 1.22x in two runs of one hour on one machine)."""
+    timed = p.eval_rows_timed.get("pruned")  # (seconds, row_sets as they were scored)
+    priced = _rows_seconds(p, timed[1]) if timed else None
+    return timed[0] / priced if priced else None
 
 
 def unrecovered_test_cost(p) -> tuple[float | None, float | None]:
     """``(test, validation)``: the seconds pipeline ``p``'s unrecovered model should take on the
     test and on the validation rows, from what the dense model's perplexity rows took per token,
-    scaled by the MACs per token of the pruned model's blocks after the shared prefix and its
-    head (:func:`predict_final_eval`'s scaling); ``(None, None)`` where the dense cost is unknown."""
-    d, dense_rows = p.eval_data, p.eval_rows_cost.get("dense")
-    tokens = d.test.numel() + d.validation.numel() + sum(rows.numel() for rows, _ in d.unseen.values())
-    if not dense_rows or not tokens:
-        return None, None
-    seq_len, start = p.cfg.data.seq_len, shared_start(p)
-    per_token = dense_rows / tokens * per_token_macs(p.pruned, seq_len, start) / per_token_macs(p.dense, seq_len)
-    return per_token * d.test.numel(), per_token * d.validation.numel()
+    scaled by the MACs per token of the pruned model's blocks it would run on each and its head
+    (:func:`_rows_seconds`); ``(None, None)`` where the dense cost is unknown."""
+    d = p.eval_data.baseline()
+    test = _rows_seconds(p, row_sets(p, p.pruned, dataclasses.replace(d, validation=d.validation[:0])))
+    validation = _rows_seconds(p, row_sets(p, p.pruned, d.validation_only()))
+    return test, validation
 
 
 def unrecovered_rows(p) -> tuple[str, str | None]:
@@ -185,7 +212,8 @@ def run_limit_budget(p) -> tuple[float | None, dict | None]:
     """Pipeline ``p``'s time budget under ``recovery.run_limit`` as ``(seconds, record)``, the
     seconds None where the limit leaves the budget whole; ``(None, None)`` where no limit
     applies (none set, or a run not started by :meth:`~overrep.app.pipeline.Pipeline.run`).
-    The final evaluation is :func:`predict_final_eval`'s. Rank 0 decides."""
+    The final evaluation is :func:`predict_final_eval`'s (the record keeps :func:`measured_pace`
+    where it scaled it: ``final_eval_pace``). Rank 0 decides."""
     r = p.cfg.recovery
     limit = r.resolved_run_limit
     if limit is None or p.run_started is None:
@@ -193,6 +221,8 @@ def run_limit_budget(p) -> tuple[float | None, dict | None]:
     final = predict_final_eval(p) if p.world.is_main else None
     got = cut_to_run_limit(parse_duration(r.time_budget), parse_duration(limit, "recovery.run_limit"),
                            p.recovery_started - p.run_started, final) if p.world.is_main else None
+    if got is not None and (pace := measured_pace(p)) is not None:
+        got[1]["final_eval_pace"] = round(pace, 3)
     seconds, record = p.world.broadcast(got)
     return (seconds if "cut_to" in record else None), record
 

@@ -70,6 +70,7 @@ class Pipeline:
         self.benchmark_results: dict[str, dict] = {}
         self.eval_cost: dict[str, float | None] = {}  # evaluate_model: seconds each model's figures cost (cached or not)
         self.eval_rows_cost: dict[str, float | None] = {}  # ... of which the perplexity rows (eval.figures)
+        self.eval_rows_timed: dict[str, tuple] = {}  # (seconds, budgeting.row_sets) of the rows scored in this run
         self.run_started: float | None = None  # run(): when the whole run began (recovery.run_limit)
         # what the stages produce, set by them in this order (None until a stage has run):
         self.folder: RunFolder | None = None  # prepare_output (rank 0)

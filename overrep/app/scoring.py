@@ -19,7 +19,7 @@ from ..eval.measure import generation_latency
 from ..eval.retained import retained_performance
 from ..model import onload
 from ..model.wrap import count_parameters
-from .budgeting import unrecovered_rows
+from .budgeting import row_sets, unrecovered_rows
 
 log = logging.getLogger("overrep.app.pipeline")
 
@@ -58,6 +58,7 @@ def score_model(p, model, tag: str) -> None:
     if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
         p.metrics["eval_precision"] = precision = resolve_precision(ev.precision, p.device)
         data = unrecovered_data(p, model, precision) if tag == "pruned" else p.eval_data
+        sets = row_sets(p, model, data)  # before scoring: a model scored whole keeps the rows' states
         found, scores = model_figures(model, p.tokenizer, data, tag=tag, progress=p.progress,
                                       source=p.model_info["source"], mask=mask, root=root, dense=p.dense_scores,
                                       precision=precision, prefix=p.shared_prefix,  # raises on a non-finite perplexity
@@ -69,6 +70,8 @@ def score_model(p, model, tag: str) -> None:
         p.dense_scores = scores if tag == "dense" else p.dense_scores
         cost = scores.get("seconds")  # None: cached before that was recorded
         p.eval_rows_cost[tag] = scores.get("seconds_rows")
+        if scores["scored_here"] and scores.get("seconds_rows"):  # this machine's pace now (budgeting.measured_pace)
+            p.eval_rows_timed[tag] = (scores["seconds_rows"], sets)
     if ev.latency and not onload.is_onloaded(model):  # generating would read every block per token
         t1 = time.perf_counter()
         lat = generation_latency(model, p.tokenizer, ev.sample_prompt, ev.latency_tokens)

@@ -65,6 +65,10 @@ class EvalData:
         test rows would cut the run's time budget): what the report's recovery check reads."""
         return replace(self.baseline(), test=self.test[:0], test_units=self.test_units[:0])
 
+    def rows_tokens(self) -> int:
+        """Tokens of every perplexity row: test, validation and the unseen corpora."""
+        return self.test.numel() + self.validation.numel() + sum(rows.numel() for rows, _ in self.unseen.values())
+
     def fingerprint(self) -> dict:
         return {"test": tensor_digest(self.test), "test_units": tensor_digest(self.test_units),
                 "validation": tensor_digest(self.validation),
@@ -132,7 +136,9 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     with a cached entry; absent from entries older than those fields). ``shipped``: where
     ``root`` has no entry, what gives the scores without scoring every row, or None (the
     package's entry checked on a few rows, :func:`overrep.eval.reference.shipped_scores`),
-    called before any row is scored; such scores carry ``reference``.
+    called before any row is scored; such scores carry ``reference``. ``scores["scored_here"]``:
+    whether this call scored the rows (so that ``seconds`` timed this machine now), not read
+    them back from ``root`` or the package.
     """
     def compute() -> dict:
         if shipped is not None and (got := shipped()) is not None:
@@ -144,10 +150,11 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
 
     if root is None:  # (nothing shipped is read for a model never cached)
         shipped = None
-        scores = compute()
+        scores, found = compute(), False
     else:
         path = figures_path(model, data, tag=tag, source=source, mask=mask, root=root, precision=precision)
-        scores = memoised(path, compute, f"{tag} evaluation")[0]
+        scores, found = memoised(path, compute, f"{tag} evaluation")
+    scores = {**scores, "scored_here": not found and "reference" not in scores}
     test = Scored.from_state(scores["test"]) if "test" in scores else None
     _, names = row_strata(data.components, "test_rows", data.test.shape[0]) if test is not None else (None, [])
     validation = scores.get("validation")
