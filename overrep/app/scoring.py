@@ -58,7 +58,9 @@ def score_model(p, model, tag: str) -> None:
     if ev.perplexity:  # with intervals, and the pruned and recovered models paired with the dense one
         p.metrics["eval_precision"] = precision = resolve_precision(ev.precision, p.device)
         data = unrecovered_data(p, model, precision) if tag == "pruned" else p.eval_data
-        sets = row_sets(p, model, data)  # before scoring: a model scored whole keeps the rows' states
+        # the unrecovered model's rows time this machine (budgeting.measured_pace): from which block
+        # it runs each set is known before scoring, as a model scored whole then keeps their states
+        sets = row_sets(p, model, data) if tag == "pruned" else None
         found, scores = model_figures(model, p.tokenizer, data, tag=tag, progress=p.progress,
                                       source=p.model_info["source"], mask=mask, root=root, dense=p.dense_scores,
                                       precision=precision, prefix=p.shared_prefix,  # raises on a non-finite perplexity
@@ -70,7 +72,7 @@ def score_model(p, model, tag: str) -> None:
         p.dense_scores = scores if tag == "dense" else p.dense_scores
         cost = scores.get("seconds")  # None: cached before that was recorded
         p.eval_rows_cost[tag] = scores.get("seconds_rows")
-        if scores["scored_here"] and scores.get("seconds_rows"):  # this machine's pace now (budgeting.measured_pace)
+        if sets is not None and scores["scored_here"] and scores.get("seconds_rows"):
             p.eval_rows_timed[tag] = (scores["seconds_rows"], sets)
     if ev.latency and not onload.is_onloaded(model):  # generating would read every block per token
         t1 = time.perf_counter()
