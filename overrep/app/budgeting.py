@@ -123,9 +123,9 @@ def row_sets(p, model, data) -> list[tuple[int, int]]:
     (a cache, the package's entry) keep none, so the first later model runs every set whole; the
     unrecovered model keeps those it scores, so the recovered one runs the unseen corpora whole."""
     prefix = p.shared_prefix
-    shares = prefix is not None and prefix.start > 0 and prefix.shares(model)
+    shares = prefix is not None and prefix.shares(model)
     sets = [data.test, data.validation, *(rows for rows, _ in data.unseen.values())]
-    return [(rows.numel(), prefix.start if shares and prefix.holds(rows) else 0) for rows in sets if rows.numel()]
+    return [(rows.numel(), prefix.start if shares and prefix.holds(rows) else 0) for rows in sets]
 
 
 def _rows_seconds(p, sets: list[tuple[int, int]]) -> float | None:
@@ -158,7 +158,7 @@ def predict_final_eval(p) -> float | None:
     seq_len = p.cfg.data.seq_len
     compact = per_token_macs(p.pruned, seq_len) / per_token_macs(p.dense, seq_len)
     rows = p.eval_rows_cost.get("dense") or 0.0
-    rows_part = _rows_seconds(p, row_sets(p, p.pruned, p.eval_data)) if rows else 0.0
+    rows_part = _rows_seconds(p, row_sets(p, p.pruned, p.eval_data)) or 0.0
     return (rows_part + (dense - rows) * compact) * (measured_pace(p) or 1.0)
 
 
@@ -179,10 +179,8 @@ def unrecovered_test_cost(p) -> tuple[float | None, float | None]:
     test and on the validation rows, from what the dense model's perplexity rows took per token,
     scaled by the MACs per token of the pruned model's blocks it would run on each and its head
     (:func:`_rows_seconds`); ``(None, None)`` where the dense cost is unknown."""
-    d = p.eval_data.baseline()
-    test = _rows_seconds(p, row_sets(p, p.pruned, dataclasses.replace(d, validation=d.validation[:0])))
-    validation = _rows_seconds(p, row_sets(p, p.pruned, d.validation_only()))
-    return test, validation
+    test, validation = row_sets(p, p.pruned, p.eval_data.baseline())
+    return _rows_seconds(p, [test]), _rows_seconds(p, [validation])
 
 
 def unrecovered_rows(p) -> tuple[str, str | None]:
