@@ -107,8 +107,8 @@ def main() -> None:
     if len(precisions) > 1:
         raise SystemExit(f"error: the runs were scored in different precisions ({', '.join(sorted(precisions))})")
     precision = precisions.pop()  # the runs' own scoring precision
-    _, dense_scores = model_figures(p.dense, p.tokenizer, p.eval_data, tag="dense", source=p.model_info["source"],
-                                    mask=False, root=p.cache_root, precision=precision)
+    _, dense_scores, _ = model_figures(p.dense, p.tokenizer, p.eval_data, tag="dense", source=p.model_info["source"],
+                                       mask=False, root=p.cache_root, precision=precision)
     data = replace(p.eval_data, lambada=0)
     _, names = row_strata(data.components, "test_rows", data.test.shape[0])
     _, val_names = row_strata(data.components, "validation_rows", data.validation.shape[0])

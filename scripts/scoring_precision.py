@@ -35,8 +35,8 @@ def main() -> None:
     for tag, model, data in [("dense", p.dense, p.eval_data), ("pruned", p.pruned, p.eval_data.baseline())]:
         for precision in ("bf16", "fp32"):
             t0 = time.perf_counter()
-            found, scores = model_figures(model, p.tokenizer, data, tag=tag, source=p.model_info["source"], mask=None,
-                                          root=None, dense=dense.get(precision), precision=precision)
+            found, scores, _ = model_figures(model, p.tokenizer, data, tag=tag, source=p.model_info["source"], mask=None,
+                                             root=None, dense=dense.get(precision), precision=precision)
             seconds = time.perf_counter() - t0
             if tag == "dense":
                 dense[precision] = scores

@@ -342,7 +342,7 @@ def test_scoring_precision_applies_to_every_figure_and_keys_the_cache(assets, tm
     caplog.set_level("INFO", logger="overrep.memo")
     figs = {}
     for precision in ("fp32", "bf16", "fp32"):
-        found, _ = model_figures(p.dense, p.tokenizer, p.eval_data, tag="dense", source="tiny", mask=False,
+        found, _, _ = model_figures(p.dense, p.tokenizer, p.eval_data, tag="dense", source="tiny", mask=False,
                                  root=tmp_path / "cache", precision=precision)
         figs.setdefault(precision, found["dense_perplexity"])
     assert len(list((tmp_path / "cache" / "eval").glob("dense-*.pt"))) == 2

@@ -39,7 +39,9 @@ def test_a_run_under_a_limit_records_it_and_predicts_its_final_evaluation(assets
     """The figures' cost is kept (a cached entry is read back at what computing it cost), the
     prediction is the dense model's cost scaled by the parameters kept, and a limit with room
     leaves the budget whole."""
-    kw = dict(recovery__steps=None, recovery__time_budget="3s", recovery__run_limit="1h", recovery__warm_start="none")
+    # (budget_min_steps: a loaded machine may fit fewer than the floor's 10 steps in 3 s)
+    kw = dict(recovery__steps=None, recovery__time_budget="3s", recovery__run_limit="1h", recovery__warm_start="none",
+              recovery__budget_min_steps=1)
     first = Pipeline(tiny_cfg(assets, tmp_path / "a", **kw), progress=False)
     m = first.run()
     limit = m["time_budget"]["run_limit"]

@@ -26,12 +26,19 @@ def main(argv: list[str] | None = None) -> int:
     # process, the criterion computed and the pruned copy made before the checked rows are timed
     # (after an in-process conversion and the copy, those rows measured 1.16-1.28x their time in a
     # process that had done neither; the family 6 model 167 Xeon, bf16)
+    before = os.environ.get("OVERREP_CACHE")
     with tempfile.TemporaryDirectory(prefix="overrep-reference-") as empty:
         os.environ["OVERREP_CACHE"] = empty
-        p = Pipeline(RunConfig.load(overrides=args.set), progress=True)
-        p.prepare(recovery=False, create_output=False)  # loaded and pruned, as a run scores the dense model
-        print(write(p.dense, p.tokenizer, p.eval_data, source=shipped_source(p.model_info), precision=args.precision,
-                    machine=processor(p.device)))
+        try:
+            p = Pipeline(RunConfig.load(overrides=args.set), progress=True)
+            p.prepare(recovery=False, create_output=False)  # loaded and pruned, as a run scores the dense model
+            print(write(p.dense, p.tokenizer, p.eval_data, source=shipped_source(p.model_info),
+                        precision=args.precision, machine=processor(p.device)))
+        finally:  # the caller's cache again (the folder is gone)
+            if before is None:
+                os.environ.pop("OVERREP_CACHE", None)
+            else:
+                os.environ["OVERREP_CACHE"] = before
     return 0
 
 

@@ -61,7 +61,7 @@ def score_model(p, model, tag: str) -> None:
         # the unrecovered model's rows time this machine (budgeting.measured_pace): from which block
         # it runs each set is known before scoring, as a model scored whole then keeps their states
         sets = row_sets(p, model, data) if tag == "pruned" else None
-        found, scores = model_figures(model, p.tokenizer, data, tag=tag, progress=p.progress,
+        found, scores, scored_here = model_figures(model, p.tokenizer, data, tag=tag, progress=p.progress,
                                       source=p.model_info["source"], mask=mask, root=root, dense=p.dense_scores,
                                       precision=precision, prefix=p.shared_prefix,  # raises on a non-finite perplexity
                                       shipped=(lambda: reference.shipped_scores(model, data, p.model_info, precision))
@@ -72,7 +72,7 @@ def score_model(p, model, tag: str) -> None:
         p.dense_scores = scores if tag == "dense" else p.dense_scores
         cost = scores.get("seconds")  # None: cached before that was recorded
         p.eval_rows_cost[tag] = scores.get("seconds_rows")
-        if sets is not None and scores["scored_here"] and scores.get("seconds_rows"):
+        if sets is not None and scored_here and scores.get("seconds_rows"):
             p.eval_rows_timed[tag] = (scores["seconds_rows"], sets)
     if ev.latency and not onload.is_onloaded(model):  # generating would read every block per token
         t1 = time.perf_counter()

@@ -120,8 +120,8 @@ def _score(model, tokenizer, data: EvalData, desc: str, progress: bool, prefix: 
 def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, mask: dict | None,
                   root: Path | None, dense: dict | None = None, progress: bool = False,
                   precision: str = "fp32", prefix: SharedPrefix | None = None,
-                  shipped: Callable[[], dict | None] | None = None) -> tuple[dict, dict]:
-    """``(metrics entries, scores)`` of one model; scores are read from / written to ``root``
+                  shipped: Callable[[], dict | None] | None = None) -> tuple[dict, dict, bool]:
+    """``(metrics entries, scores, scored_here)`` of one model; scores are read from / written to ``root``
     (``None``: never cached, e.g. a recovered model) keyed by model, mask, data, precision and
     protocol. Models paired with ``dense`` should be scored in the dense scores' precision.
     ``prefix``: see :func:`score`.
@@ -136,9 +136,9 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     with a cached entry; absent from entries older than those fields). ``shipped``: where
     ``root`` has no entry, what gives the scores without scoring every row, or None (the
     package's entry checked on a few rows, :func:`overrep.eval.reference.shipped_scores`),
-    called before any row is scored; such scores carry ``reference``. ``scores["scored_here"]``:
-    whether this call scored the rows (so that ``seconds`` timed this machine now), not read
-    them back from ``root`` or the package.
+    called before any row is scored; such scores carry ``reference``. ``scored_here``: whether
+    this call scored the rows (so that ``seconds`` timed this machine now), not read them back
+    from ``root`` or the package.
     """
     def compute() -> dict:
         if shipped is not None and (got := shipped()) is not None:
@@ -154,7 +154,7 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
     else:
         path = figures_path(model, data, tag=tag, source=source, mask=mask, root=root, precision=precision)
         scores, found = memoised(path, compute, f"{tag} evaluation")
-    scores = {**scores, "scored_here": not found and "reference" not in scores}
+    scored_here = not found and "reference" not in scores
     test = Scored.from_state(scores["test"]) if "test" in scores else None
     _, names = row_strata(data.components, "test_rows", data.test.shape[0]) if test is not None else (None, [])
     validation = scores.get("validation")
@@ -175,7 +175,7 @@ def model_figures(model, tokenizer, data: EvalData, *, tag: str, source: str, ma
         out[f"{tag}_ppl_domains"] = {n: f["value"] for n, f in {**fig["domains"], **fig["unseen"]}.items()}
     if "generation" in scores:
         out[f"{tag}_generation"] = scores["generation"]
-    return out, scores
+    return out, scores, scored_here
 
 
 def figures_path(model, data: EvalData, *, tag: str, source: str, mask: dict | None, root: Path,

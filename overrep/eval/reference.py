@@ -140,9 +140,8 @@ def write(model, tokenizer, data, *, source: str, precision: str, machine: str, 
     from .. import __version__
 
     check = check_rows(model, data.test, precision)  # first, as a run checks them: timed alike
-    _, scores = model_figures(model, tokenizer, data, tag="dense", source=source, mask=False, root=None,
-                              precision=precision, progress=True)
-    scores.pop("scored_here")
+    _, scores, _ = model_figures(model, tokenizer, data, tag="dense", source=source, mask=False, root=None,
+                                 precision=precision, progress=True)
     scores["reference"] = {"machine": machine, "precision": precision, "torch": str(torch.__version__),
                            "overrep": __version__, "written": datetime.date.today().isoformat(), "check": check}
     name = entry_name(model, data, source, precision)
