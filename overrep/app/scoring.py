@@ -61,12 +61,12 @@ def score_model(p, model, tag: str) -> None:
         # the unrecovered model's rows time this machine (budgeting.measured_pace): from which block
         # it runs each set is known before scoring, as a model scored whole then keeps their states
         sets = row_sets(p, model, data) if tag == "pruned" else None
-        found, scores, scored_here = model_figures(model, p.tokenizer, data, tag=tag, progress=p.progress,
-                                      source=p.model_info["source"], mask=mask, root=root, dense=p.dense_scores,
-                                      precision=precision, prefix=p.shared_prefix,  # raises on a non-finite perplexity
-                                      shipped=(lambda: reference.shipped_scores(model, data, p.model_info, precision))
-                                      if tag == "dense" and ev.dense_reference else None)
-        p.metrics.update(found)
+        entries, scores, scored_here = model_figures(  # raises on a non-finite perplexity
+            model, p.tokenizer, data, tag=tag, progress=p.progress, source=p.model_info["source"], mask=mask,
+            root=root, dense=p.dense_scores, precision=precision, prefix=p.shared_prefix,
+            shipped=(lambda: reference.shipped_scores(model, data, p.model_info, precision))
+            if tag == "dense" and ev.dense_reference else None)
+        p.metrics.update(entries)
         if tag == "dense":
             p.metrics["dense_reference"] = reference.describe(scores)
         p.dense_scores = scores if tag == "dense" else p.dense_scores
